@@ -1,0 +1,1 @@
+"""lorac.compiler: ONNX -> TVM Relax -> target artifact."""

@@ -1,0 +1,1 @@
+"""lorac.graphs: model specs and ONNX training-graph emitters."""

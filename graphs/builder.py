@@ -1,0 +1,128 @@
+"""A thin emitter over onnx-ir: `g.op("MatMul", a, b)` appends a node and returns its value.
+
+onnx-ir (the IR under onnxscript) is a well-kept in-memory ONNX representation; lorac adds
+only what every emitter needs: unique node names (onnxruntime's optimizer rejects
+duplicates), de-duplicated constants, and a `finish` that runs shape inference and the
+full checker, so every graph that leaves lorac.graphs has static shapes on every value.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+OPSET = 18  # highest opset both TVM 0.27's frontend and onnxruntime 1.19 handle fully
+IR_VERSION = 9  # onnxruntime-training 1.19 reads IR <= 10
+
+FLOAT = ir.DataType.FLOAT
+INT64 = ir.DataType.INT64
+BOOL = ir.DataType.BOOL
+
+
+class GraphBuilder:
+    """Collects nodes in emission order (a valid topological order) and graph inputs."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[ir.Node] = []
+        self.inputs: list[ir.Value] = []
+        self.outputs: list[ir.Value] = []
+        self.initializers: list[ir.Value] = []
+        self._consts: dict[tuple, ir.Value] = {}
+        self._count = 0
+        self.scope = ""  # prefix for node names, e.g. "L3.fwd"
+
+    # -- values -------------------------------------------------------------------------
+    def input(self, name: str, shape, dtype=FLOAT) -> ir.Value:
+        v = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)))
+        self.inputs.append(v)
+        return v
+
+    def const(self, array, dtype=None) -> ir.Value:
+        """A constant as an initializer, shared between all users of the same value."""
+        arr = np.asarray(array, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        hit = self._consts.get(key)
+        if hit is not None:
+            return hit
+        v = ir.Value(name=f"c{len(self._consts)}", type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
+                     shape=ir.Shape(list(arr.shape)), const_value=ir.tensor(arr))
+        self.initializers.append(v)
+        self._consts[key] = v
+        return v
+
+    def f(self, x: float) -> ir.Value:
+        """A float32 scalar constant."""
+        return self.const(np.float32(x))
+
+    def ints(self, *xs: int) -> ir.Value:
+        """A 1-D int64 constant (shapes, axes, slice bounds)."""
+        return self.const(np.array(xs, dtype=np.int64))
+
+    # -- nodes --------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs, n_out: int = 1, **attrs):
+        self._count += 1
+        name = f"{self.scope}/{op_type}_{self._count}" if self.scope else f"{op_type}_{self._count}"
+        node = ir.Node("", op_type, list(inputs), attributes=_attrs(attrs), num_outputs=n_out, name=name)
+        for i, out in enumerate(node.outputs):
+            out.name = f"{name}:{i}"
+        self.nodes.append(node)
+        return node.outputs[0] if n_out == 1 else tuple(node.outputs)
+
+    def output(self, value: ir.Value, name: str) -> ir.Value:
+        """Expose `value` under `name`; an Identity keeps graph inputs and outputs distinct."""
+        out = self.op("Identity", value)
+        out.name = name
+        self.outputs.append(out)
+        return out
+
+    # -- common shapes of ops (pure sugar over `op`) ------------------------------------
+    def matmul(self, a, b):
+        return self.op("MatMul", a, b)
+
+    def mm_t(self, a, b):
+        """a @ b^T for 2-D b (HF weights are [out, in])."""
+        return self.op("MatMul", a, self.op("Transpose", b, perm=[1, 0]))
+
+    def reshape(self, x, *shape: int):
+        return self.op("Reshape", x, self.ints(*shape))
+
+    def transpose(self, x, *perm: int):
+        return self.op("Transpose", x, perm=list(perm))
+
+    def reduce_sum(self, x, *axes: int, keepdims: int = 1):
+        return self.op("ReduceSum", x, self.ints(*axes), keepdims=keepdims)
+
+    def reduce_mean(self, x, *axes: int, keepdims: int = 1):
+        return self.op("ReduceMean", x, self.ints(*axes), keepdims=keepdims)
+
+    def slice(self, x, start: int, end: int, axis: int):
+        return self.op("Slice", x, self.ints(start), self.ints(end), self.ints(axis))
+
+    # -- finish -------------------------------------------------------------------------
+    def finish(self, doc: str = "") -> onnx.ModelProto:
+        graph = ir.Graph(self.inputs, self.outputs, nodes=self.nodes, initializers=self.initializers,
+                         opset_imports={"": OPSET}, name=self.name, doc_string=doc or None)
+        proto = ir.to_proto(ir.Model(graph, ir_version=IR_VERSION, producer_name="lorac"))
+        proto.graph.ClearField("value_info")
+        proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
+        onnx.checker.check_model(proto, full_check=True)
+        return proto
+
+
+def _attrs(attrs: dict) -> dict:
+    out = {}
+    for k, v in attrs.items():
+        if isinstance(v, float):
+            out[k] = ir.AttrFloat32(k, v)
+        elif isinstance(v, bool):
+            out[k] = ir.AttrInt64(k, int(v))
+        elif isinstance(v, int):
+            out[k] = ir.AttrInt64(k, v)
+        elif isinstance(v, (list, tuple)):
+            out[k] = ir.AttrInt64s(k, [int(i) for i in v])
+        elif isinstance(v, str):
+            out[k] = ir.AttrString(k, v)
+        else:
+            raise TypeError(f"attribute {k}={v!r}")
+    return out

@@ -1,0 +1,1 @@
+"""lorac.runtime: loads artifacts, trains, checkpoints, exports."""
