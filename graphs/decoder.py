@@ -1,0 +1,220 @@
+"""Llama / Mistral / Qwen2 / Qwen3 decoder: one ONNX graph for the loss and every LoRA gradient.
+
+Shape legend: B batch, S seq, N = B*S tokens, D hidden, H heads, K kv heads, G = H/K,
+Dh head dim, I intermediate, V vocab, r LoRA rank.
+
+Emission order is execution order: the forward over all layers (keeping what each layer's
+backward needs, or only the layer input with checkpointing), the head and loss with its
+gradient, then the layers' backward from the top down to the lowest trained layer. Nothing
+below that layer gets a backward node (frozen prefix).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from .attention import attention_backward, attention_forward, causal_mask
+from .builder import INT64, GraphBuilder
+from .linear import Proj, linear_backward, linear_forward
+from .loss import logits_forward, loss_and_grad
+from .mlp import swiglu_backward, swiglu_forward
+from .norm import rmsnorm_backward, rmsnorm_forward
+from .rope import rope_backward, rope_forward, rope_tables
+from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
+
+
+@dataclass
+class Layer:
+    """Graph values of one decoder layer's weights."""
+    idx: int
+    in_norm: object
+    post_norm: object
+    q_norm: object
+    k_norm: object
+    proj: dict  # target -> Proj
+
+
+class Ctx:
+    """What every layer shares: builder, specs, constants."""
+
+    def __init__(self, g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
+        self.g, self.spec, self.train = g, spec, train
+        B, S = train.batch, train.seq
+        self.dims = (B, spec.kv_heads, spec.group, S, spec.head_dim)
+        cos, sin = rope_tables(S, spec.head_dim, spec.rope_theta)
+        self.cos, self.sin = g.const(cos), g.const(sin)
+        self.mask = causal_mask(g, S, spec.group)
+
+
+def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
+    """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
+    embed = g.input("model.embed_tokens.weight", [spec.vocab, spec.hidden])
+    trained = set(train.layers(spec))
+    layers = []
+    for i in range(spec.layers):
+        norm = lambda name, n: g.input(f"model.layers.{i}.{name}.weight", [n])
+        ln = Layer(i, norm("input_layernorm", spec.hidden), norm("post_attention_layernorm", spec.hidden),
+                   norm("self_attn.q_norm", spec.head_dim) if spec.qk_norm else None,
+                   norm("self_attn.k_norm", spec.head_dim) if spec.qk_norm else None, {})
+        for t in ALL_TARGETS:
+            out, inp = spec.proj_shape(t)
+            p = Proj(g.input(weight_name(i, t), [out, inp]))
+            if (spec.qkv_bias and t in ("q_proj", "k_proj", "v_proj")) or (spec.o_bias and t == "o_proj"):
+                p.bias = g.input(weight_name(i, t, "bias"), [out])
+            if i in trained and t in train.lora_targets:
+                p.a = g.input(lora_name(i, t, "A"), [train.rank, inp])
+                p.b = g.input(lora_name(i, t, "B"), [out, train.rank])
+                p.scale = train.scale
+            ln.proj[t] = p
+        layers.append(ln)
+    final_norm = g.input("model.norm.weight", [spec.hidden])
+    head = embed if spec.tied else g.input("lm_head.weight", [spec.vocab, spec.hidden])
+    return embed, layers, final_norm, head
+
+
+def _heads(g, x, n_heads, ctx: Ctx):
+    """[N, n*Dh] -> [B, S, n, Dh]"""
+    B, S = ctx.train.batch, ctx.train.seq
+    return g.reshape(x, B, S, n_heads, ctx.spec.head_dim)
+
+
+def layer_forward(c: Ctx, x, L: Layer):
+    """x [N, D] -> (x_out [N, D], saved)."""
+    g, spec = c.g, c.spec
+    B, K, G, S, Dh = c.dims
+    N = B * S
+    h1, n1 = rmsnorm_forward(g, x, L.in_norm, spec.rms_eps)
+    q, uq = linear_forward(g, h1, L.proj["q_proj"])
+    k, uk = linear_forward(g, h1, L.proj["k_proj"])
+    v, uv = linear_forward(g, h1, L.proj["v_proj"])
+    q4, k4 = _heads(g, q, K * G, c), _heads(g, k, K, c)
+    nq = nk = None
+    if spec.qk_norm:
+        q4, nq = rmsnorm_forward(g, q4, L.q_norm, spec.rms_eps)
+        k4, nk = rmsnorm_forward(g, k4, L.k_norm, spec.rms_eps)
+    qr = rope_forward(g, g.transpose(q4, 0, 2, 1, 3), c.cos, c.sin, Dh)
+    kr = rope_forward(g, g.transpose(k4, 0, 2, 1, 3), c.cos, c.sin, Dh)
+    v4 = g.transpose(_heads(g, v, K, c), 0, 2, 1, 3)
+    att, sa = attention_forward(g, qr, kr, v4, c.mask, c.dims)
+    a2 = g.reshape(g.transpose(att, 0, 2, 1, 3), N, K * G * Dh)
+    o, uo = linear_forward(g, a2, L.proj["o_proj"])
+    x1 = g.op("Add", x, o)
+    h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
+    gt, ug = linear_forward(g, h2, L.proj["gate_proj"])
+    up, uu = linear_forward(g, h2, L.proj["up_proj"])
+    act, sg = swiglu_forward(g, gt, up)
+    dn, ud = linear_forward(g, act, L.proj["down_proj"])
+    saved = dict(h1=h1, n1=n1, u=dict(q_proj=uq, k_proj=uk, v_proj=uv, o_proj=uo, gate_proj=ug,
+                                        up_proj=uu, down_proj=ud),
+                 nq=nq, nk=nk, sa=sa, a2=a2, h2=h2, n2=n2, gt=gt, up=up, sg=sg, act=act)
+    return g.op("Add", x1, dn), saved
+
+
+def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
+    """dy = dLoss/d x_out [N, D] -> dLoss/d x_in (None if not needed); LoRA grads into `grads`."""
+    g, spec = c.g, c.spec
+    B, K, G, S, Dh = c.dims
+    N = B * S
+
+    def proj_back(dout, x, t, want_dx=True):
+        p = L.proj[t]
+        dx, da, db = linear_backward(g, dout, x, s["u"][t], p, want_dx)
+        if da is not None:
+            grads[lora_name(L.idx, t, "A")] = da
+            grads[lora_name(L.idx, t, "B")] = db
+        return dx
+
+    # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
+    dact = proj_back(dy, s["act"], "down_proj")
+    dgt, dup = swiglu_backward(g, dact, s["gt"], s["up"], s["sg"])
+    dh2 = g.op("Add", proj_back(dgt, s["h2"], "gate_proj"), proj_back(dup, s["h2"], "up_proj"))
+    dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s["n2"]))
+    # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
+    da2 = proj_back(dx1, s["a2"], "o_proj")
+    datt = g.transpose(g.reshape(da2, B, S, K * G, Dh), 0, 2, 1, 3)
+    dqr, dkr, dv4 = attention_backward(g, datt, s["sa"], c.dims)
+    dq4 = g.transpose(rope_backward(g, dqr, c.cos, c.sin, Dh), 0, 2, 1, 3)
+    dk4 = g.transpose(rope_backward(g, dkr, c.cos, c.sin, Dh), 0, 2, 1, 3)
+    if spec.qk_norm:
+        dq4 = rmsnorm_backward(g, dq4, L.q_norm, s["nq"])
+        dk4 = rmsnorm_backward(g, dk4, L.k_norm, s["nk"])
+    dq = g.reshape(dq4, N, K * G * Dh)
+    dk = g.reshape(dk4, N, K * Dh)
+    dv = g.reshape(g.transpose(dv4, 0, 2, 1, 3), N, K * Dh)
+    dh1 = [proj_back(d, s["h1"], t, need_dx) for d, t in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj"))]
+    if not need_dx:
+        return None
+    dh1 = g.op("Sum", *dh1)
+    return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s["n1"]))
+
+
+def _embed(g, embed, ids, spec, train):
+    return g.reshape(g.op("Gather", embed, ids, axis=0), train.batch * train.seq, spec.hidden)
+
+
+def build_training_graph(spec: ModelSpec, train: TrainSpec) -> onnx.ModelProto:
+    """Loss and the exact gradient of every LoRA tensor, in one graph (see module doc)."""
+    train.validate(spec)
+    g = GraphBuilder(f"lorac_train_{spec.arch}")
+    B, S = train.batch, train.seq
+    ids = g.input("input_ids", [B, S], INT64)
+    labels = g.input("labels", [B, S], INT64)
+    embed, layers, final_norm, head = declare_weights(g, spec, train)
+    c = Ctx(g, spec, train)
+    trained = train.layers(spec)
+    lowest = trained[0]
+
+    g.scope = "fwd"
+    x = _embed(g, embed, ids, spec, train)
+    inputs, saved = [], []
+    for L in layers:
+        g.scope = f"L{L.idx}.fwd"
+        inputs.append(x)
+        x, s = layer_forward(c, x, L)
+        saved.append(None if (train.checkpointing or L.idx < lowest) else s)
+    g.scope = "head"
+    hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
+    loss, dhN = loss_and_grad(g, hN, head, labels, B, S, spec.vocab, train.loss_chunk)
+    dx = rmsnorm_backward(g, dhN, final_norm, nN)
+
+    grads: dict = {}
+    for L in reversed(layers[lowest:]):
+        g.scope = f"L{L.idx}.bwd"
+        s = saved[L.idx]
+        if s is None:  # checkpointing: recompute this layer's forward from its kept input
+            _, s = layer_forward(c, inputs[L.idx], L)
+        dx = layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
+    g.scope = "out"
+    g.output(g.reshape(loss, ), "loss")
+    for name in lora_tensor_names(spec, train):
+        g.output(grads[name], name + ".grad")
+    return g.finish(doc=_doc(spec, train, "training"))
+
+
+def build_forward_graph(spec: ModelSpec, train: TrainSpec) -> onnx.ModelProto:
+    """Logits [B, S, V] of base + adapter (eval and generation); same inputs minus labels."""
+    train.validate(spec)
+    g = GraphBuilder(f"lorac_forward_{spec.arch}")
+    B, S = train.batch, train.seq
+    ids = g.input("input_ids", [B, S], INT64)
+    embed, layers, final_norm, head = declare_weights(g, spec, train)
+    c = Ctx(g, spec, train)
+    x = _embed(g, embed, ids, spec, train)
+    for L in layers:
+        g.scope = f"L{L.idx}.fwd"
+        x, _ = layer_forward(c, x, L)
+    g.scope = "head"
+    hN, _ = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
+    g.output(g.reshape(logits_forward(g, hN, head), B, S, spec.vocab), "logits")
+    return g.finish(doc=_doc(spec, train, "forward"))
+
+
+def lora_tensor_names(spec: ModelSpec, train: TrainSpec) -> list[str]:
+    """Every LoRA tensor of the graph in output order: by layer, target, then A before B."""
+    return [lora_name(i, t, w) for i in train.layers(spec) for t in ALL_TARGETS if t in train.lora_targets
+            for w in ("A", "B")]
+
+
+def _doc(spec: ModelSpec, train: TrainSpec, kind: str) -> str:
+    return f"lorac {kind} graph; model {spec}; train {train}"

@@ -1,0 +1,45 @@
+"""Linear layer with an optional bias and an optional LoRA adapter, forward and backward.
+
+Shapes: x [N, in], W [out, in] (HF layout), bias [out], A [r, in], B [out, r], s the scale.
+y = x W^T + bias + s (x A^T) B^T. W and bias are frozen; only A and B get gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Proj:
+    """The graph values of one projection: frozen weight/bias and, if adapted, LoRA A/B."""
+    w: object
+    bias: object = None
+    a: object = None
+    b: object = None
+    scale: float = 0.0
+
+
+def linear_forward(g, x, p: Proj):
+    y = g.mm_t(x, p.w)
+    if p.bias is not None:
+        y = g.op("Add", y, p.bias)
+    if p.a is None:
+        return y, None
+    # u = s * x A^T is kept for dB; s folded into the small [N, r] tensor
+    u = g.op("Mul", g.mm_t(x, p.a), g.f(p.scale))
+    return g.op("Add", y, g.mm_t(u, p.b)), u
+
+
+def linear_backward(g, dy, x, u, p: Proj, need_dx: bool = True):
+    """Returns (dx or None, dA or None, dB or None)."""
+    da = db = dx = None
+    if p.a is not None:
+        # dB = dy^T u = s dy^T (x A^T); du = s dy B; dA = du^T x
+        db = g.matmul(g.transpose(dy, 1, 0), u)
+        du = g.op("Mul", g.matmul(dy, p.b), g.f(p.scale))
+        da = g.matmul(g.transpose(du, 1, 0), x)
+    if need_dx:
+        # dx = dy W + du A
+        dx = g.matmul(dy, p.w)
+        if p.a is not None:
+            dx = g.op("Add", dx, g.matmul(du, p.a))
+    return dx, da, db

@@ -1,0 +1,34 @@
+"""Rotary position embedding in HF's rotate-half convention, forward and backward.
+
+Shapes: x [B, h, S, Dh]; cos, sin [S, Dh] (both halves repeat the same frequencies).
+rot(x) = concat(-x2, x1) for halves x1, x2 of the last axis.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rope_tables(seq: int, head_dim: int, theta: float):
+    """cos and sin [S, Dh] computed as transformers does (fp32 inv_freq, fp32 products)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    freqs = np.arange(seq, dtype=np.float32)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def _halves(g, x, half: int):
+    return g.slice(x, 0, half, 3), g.slice(x, half, 2 * half, 3)
+
+
+def rope_forward(g, x, cos, sin, head_dim: int):
+    # y = x*cos + rot(x)*sin
+    x1, x2 = _halves(g, x, head_dim // 2)
+    rot = g.op("Concat", g.op("Neg", x2), x1, axis=3)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+
+
+def rope_backward(g, dy, cos, sin, head_dim: int):
+    # rot is the linear map R = [[0, -I], [I, 0]], so dx = dy*cos + R^T (dy*sin), R^T t = concat(t2, -t1)
+    t1, t2 = _halves(g, g.op("Mul", dy, sin), head_dim // 2)
+    return g.op("Add", g.op("Mul", dy, cos), g.op("Concat", t2, g.op("Neg", t1), axis=3))

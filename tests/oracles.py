@@ -1,0 +1,97 @@
+"""Shared test oracles: HF transformers models in torch, onnxruntime as the reference executor."""
+from __future__ import annotations
+
+import numpy as np
+
+from lorac.graphs import ModelSpec, TrainSpec, lora_tensor_names
+
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def hf_model(cfg: dict, seed: int = 0):
+    """A randomly initialised HF causal LM in fp32 with norm weights and biases made non-trivial."""
+    import torch
+    import transformers
+    conf_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[cfg["model_type"]])
+    torch.manual_seed(seed)
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    model = model_cls(conf_cls(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_weights(model) -> dict[str, np.ndarray]:
+    """Frozen weights under HF names (lm_head dropped when tied)."""
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def random_lora(spec: ModelSpec, train: TrainSpec, seed: int = 1, b_scale: float = 0.05) -> dict[str, np.ndarray]:
+    """LoRA tensors with B != 0, so every term of the gradient is exercised."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in lora_tensor_names(spec, train):
+        t = name.split(".lora_")[0].rsplit(".", 1)[1]
+        o, i = spec.proj_shape(t)
+        shape = (train.rank, i) if ".lora_A." in name else (o, train.rank)
+        scale = 1 / np.sqrt(i) if ".lora_A." in name else b_scale
+        out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def batch(spec: ModelSpec, train: TrainSpec, seed: int = 2, ignore_frac: float = 0.2):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, spec.vocab, (train.batch, train.seq)).astype(np.int64)
+    labels = ids.copy()
+    labels[rng.random(labels.shape) < ignore_frac] = -100
+    return ids, labels
+
+
+def torch_reference(model, lora: dict, ids, labels, scale: float):
+    """HF loss and dL/dA, dL/dB from autograd's dense dW_eff: dA = s B^T dW, dB = s dW A^T."""
+    import torch
+    params = dict(model.named_parameters())
+    adapted = {}
+    with torch.no_grad():
+        for name, a in lora.items():
+            if ".lora_A." not in name:
+                continue
+            w_name = name.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")
+            A = torch.from_numpy(a)
+            B = torch.from_numpy(lora[name.replace(".lora_A.", ".lora_B.")])
+            params[w_name].add_(scale * B @ A)
+            adapted[name] = (w_name, A, B)
+    model.zero_grad()
+    out = model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels))
+    out.loss.backward()
+    grads = {}
+    for name, (w_name, A, B) in adapted.items():
+        dW = params[w_name].grad.double()
+        grads[name + ".grad"] = (scale * B.double().T @ dW).numpy()
+        grads[name.replace(".lora_A.", ".lora_B.") + ".grad"] = (scale * dW @ A.double().T).numpy()
+    return float(out.loss), grads
+
+
+def run_ort(model_proto, feeds: dict) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    sess = ort.InferenceSession(model_proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    wanted = {i.name for i in sess.get_inputs()}
+    return dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in wanted})))
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
