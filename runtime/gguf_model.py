@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import LoracError
 from .gguf_quant import dequantize
+from .weights import as_dtype, check_weights
 
 # general.architecture -> (HF model_type, whether Q/K rows carry llama.cpp's permutation)
 ARCHITECTURES = {
@@ -120,8 +121,6 @@ def hf_config(meta: dict, tensor_names, path="GGUF file", vocab_len=None) -> dic
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if model_type == "qwen2":
-        config["attention_bias"] = True  # Qwen2 has q/k/v biases; the tensors say so too
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{field}" in meta:
@@ -170,26 +169,9 @@ def load_gguf(path, dtype=np.float32) -> tuple[dict, dict]:
             w = unpermute_qk(w, config["num_attention_heads"])
         elif permuted and key.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, config["num_key_value_heads"])
-        weights[key] = np.ascontiguousarray(w, dtype=dtype)
-    _check_complete(config, weights, path)
+        weights[key] = np.ascontiguousarray(w, dtype=as_dtype(dtype))
+    check_weights(config, weights, path)
     return config, weights
-
-
-def _check_complete(config, weights, path):
-    """Every tensor the config implies must be there; name the first one missing."""
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config["tie_word_embeddings"]:
-        need.append("lm_head.weight")
-    for i in range(config["num_hidden_layers"]):
-        need += [f"model.layers.{i}.{m}.weight" for m in
-                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                  "post_attention_layernorm")]
-        if config["model_type"] == "qwen3":
-            need += [f"model.layers.{i}.self_attn.q_norm.weight", f"model.layers.{i}.self_attn.k_norm.weight"]
-    missing = [n for n in need if n not in weights]
-    if missing:
-        raise LoracError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
 
 
 # ---------------------------------------------------------------- tokenizer

@@ -1,0 +1,203 @@
+"""Frozen base weights: an HF model directory (config.json + safetensors, one file or
+sharded) or a llama.cpp GGUF file -> (config dict, {HF name: numpy array}).
+
+Safetensors files are memory-mapped and parsed here rather than through
+`safetensors.safe_open`: numpy has no bfloat16, and owning the 20-line header parser lets
+every corruption (short file, bad JSON, offsets out of range or overlapping) become one
+clear line instead of a Rust panic. Format: u64 little-endian header length N, N bytes of
+JSON {name: {dtype, shape, data_offsets: [begin, end]}}, then the data; offsets count from
+the end of the header. A float32 tensor asked for as float32 stays a read-only view of
+the mapped file, so a large model costs page cache, not heap.
+"""
+
+import json
+import os
+import struct
+
+import numpy as np
+
+from .errors import LoracError
+
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16",
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+MAX_HEADER = 100 * 1024 * 1024  # the format's own cap on the JSON header
+
+
+def as_dtype(dtype):
+    """np dtype from a dtype or a name; "bfloat16"/"bf16" needs ml_dtypes."""
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def convert(raw: np.ndarray, src: str, dtype) -> np.ndarray:
+    """A tensor in safetensors dtype `src` -> dtype; no copy when they already agree."""
+    dtype = as_dtype(dtype)
+    if src == "BF16":
+        if dtype.name == "bfloat16":
+            return raw.view(dtype)
+        # bf16 is the high half of an f32: widen the bits, no rounding involved
+        return (raw.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
+    return raw if raw.dtype == dtype else raw.astype(dtype)
+
+
+def read_safetensors_header(path) -> tuple[dict, int]:
+    """(header dict without __metadata__, byte offset of the data) or a LoracError."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise LoracError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise LoracError(f"{path}: corrupt safetensors file (header length {n} exceeds the file, {size} bytes)")
+            text = f.read(n)
+    except FileNotFoundError:
+        raise LoracError(f"weights file not found: {path}") from None
+    except IsADirectoryError:
+        raise LoracError(f"{path}: is a directory, not a safetensors file") from None
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoracError(f"{path}: corrupt safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise LoracError(f"{path}: corrupt safetensors file (header is not a JSON object)")
+    header.pop("__metadata__", None)
+    _check_layout(path, header, size - 8 - n)
+    return header, 8 + n
+
+
+def _check_layout(path, header, data_size):
+    """Each entry: known dtype, offsets inside the data and matching its shape; no overlap."""
+    spans = []
+    for name, e in header.items():
+        try:
+            dtype, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise LoracError(f"{path}: corrupt safetensors entry for tensor {name}") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise LoracError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        itemsize = 2 if dtype == "BF16" else np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        if not (0 <= begin <= end <= data_size):
+            raise LoracError(f"{path}: corrupt safetensors file (tensor {name} lies at bytes "
+                             f"{begin}..{end}, past the {data_size} bytes of data; truncated?)")
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * itemsize:
+            raise LoracError(f"{path}: corrupt safetensors file (tensor {name}: {end - begin} bytes "
+                             f"for shape {shape} of {dtype})")
+        spans.append((begin, end, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise LoracError(f"{path}: corrupt safetensors file (tensors {n0} and {n1} overlap)")
+
+
+def load_safetensors(path, dtype=np.float32, names=None) -> dict:
+    """{name: array} from one safetensors file, memory-mapped; `names` picks a subset.
+    Integer tensors are returned as stored; float tensors are converted to dtype."""
+    header, start = read_safetensors_header(path)
+    if not header:
+        return {}
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name in header if names is None else names:
+        if name not in header:
+            raise LoracError(f"{path}: tensor {name} is missing")
+        e = header[name]
+        begin, end = e["data_offsets"]
+        src = e["dtype"]
+        store = np.uint16 if src == "BF16" else SAFETENSORS_DTYPES[src]
+        raw = mm[start + begin:start + end].view(store).reshape(e["shape"])
+        is_float = src in ("F64", "F32", "F16", "BF16")
+        out[name] = convert(raw, src, dtype) if is_float else raw
+    return out
+
+
+def read_config(model_dir) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise LoracError(f"{model_dir}: no config.json (not an HF model directory)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoracError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise LoracError(f"{path}: has no model_type")
+    return config
+
+
+def load_hf_dir(model_dir, dtype=np.float32) -> tuple[dict, dict]:
+    """(config.json dict, {HF name: array}) from an HF model directory."""
+    if not os.path.isdir(model_dir):
+        raise LoracError(f"model directory not found: {model_dir}")
+    config = read_config(model_dir)
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(single):
+        weights = load_safetensors(single, dtype)
+    elif os.path.exists(index):
+        weights = _load_sharded(model_dir, index, dtype)
+    else:
+        raise LoracError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    check_weights(config, weights, model_dir)
+    return config, weights
+
+
+def _load_sharded(model_dir, index, dtype):
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise LoracError(f"{index}: not a safetensors index (no weight_map)") from None
+    shards = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, []).append(name)
+    weights = {}
+    for shard, names in sorted(shards.items()):
+        path = os.path.join(model_dir, shard)
+        if not os.path.exists(path):
+            raise LoracError(f"{index}: shard {shard} is missing")
+        weights.update(load_safetensors(path, dtype, names))
+    return weights
+
+
+def required_tensors(config: dict) -> list:
+    """The HF tensor names a decoder of this config must have (attention-family models)."""
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.get("tie_word_embeddings", False):
+        need.append("lm_head.weight")
+    proj = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+            "post_attention_layernorm"]
+    if config.get("model_type") == "qwen3":
+        proj += ["self_attn.q_norm", "self_attn.k_norm"]
+    for i in range(int(config.get("num_hidden_layers", 0))):
+        need += [f"model.layers.{i}.{m}.weight" for m in proj]
+        if config.get("model_type") == "qwen2" or config.get("attention_bias"):
+            need += [f"model.layers.{i}.self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj")]
+    return need
+
+
+def check_weights(config, weights, source):
+    """Raise a LoracError naming the first tensor the config needs and the weights lack."""
+    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
+        return  # other families (mamba) check their own names where their spec is built
+    missing = [n for n in required_tensors(config) if n not in weights]
+    if missing:
+        raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+
+
+def load_model(path, dtype=np.float32) -> tuple[dict, dict]:
+    """(config dict, weights) from an HF model directory or a .gguf file."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf_model import load_gguf
+        return load_gguf(path, dtype)
+    if os.path.isfile(path):
+        raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
+    return load_hf_dir(path, dtype)
