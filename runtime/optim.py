@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import LoracError
+
 
 @dataclass
 class LoraPlusConfig:
@@ -49,14 +51,14 @@ class LoraPlusConfig:
     def __post_init__(self):
         for key in ("lr", "loraplus_ratio", "eps", "weight_decay", "max_grad_norm", "min_lr_ratio"):
             if not math.isfinite(float(getattr(self, key))):
-                raise ValueError(f"optimizer setting {key}={getattr(self, key)!r} is not a finite number")
+                raise LoracError(f"optimizer setting {key}={getattr(self, key)!r} is not a finite number")
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"optimizer betas={self.betas!r} must both lie in [0, 1)")
+            raise LoracError(f"optimizer betas={self.betas!r} must both lie in [0, 1)")
         if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0 or self.loraplus_ratio <= 0:
-            raise ValueError("optimizer lr, weight_decay must be >= 0 and eps, loraplus_ratio > 0")
+            raise LoracError("optimizer lr, weight_decay must be >= 0 and eps, loraplus_ratio > 0")
         if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and total_steps={self.total_steps} >= 1")
+            raise LoracError(f"warmup_steps={self.warmup_steps} must be >= 0 and total_steps={self.total_steps} >= 1")
 
 
 # -- schedule ----------------------------------------------------------------------------
@@ -138,7 +140,7 @@ def adamw_step_reference(params, grads, m, v, step: int, lr_a: float, lr_b: floa
     Inputs are not modified. `step` is 1-based: the first update uses step=1.
     """
     if step < 1:
-        raise ValueError(f"optimizer step must be >= 1 (1-based), got {step}")
+        raise LoracError(f"optimizer step must be >= 1 (1-based), got {step}")
     norm = global_norm(grads)
     if not math.isfinite(norm):
         same = lambda d: {k: np.array(x, dtype=np.float32) for k, x in d.items()}  # noqa: E731
