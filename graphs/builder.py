@@ -22,8 +22,10 @@ BOOL = ir.DataType.BOOL
 class GraphBuilder:
     """Collects nodes in emission order (a valid topological order) and graph inputs."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, dtype=np.float32):
         self.name = name
+        self.np_float = np.dtype(dtype)  # float32 normally; float64 for finite-difference checks
+        self.float = ir.DataType.from_numpy(self.np_float)
         self.nodes: list[ir.Node] = []
         self.inputs: list[ir.Value] = []
         self.outputs: list[ir.Value] = []
@@ -33,7 +35,8 @@ class GraphBuilder:
         self.scope = ""  # prefix for node names, e.g. "L3.fwd"
 
     # -- values -------------------------------------------------------------------------
-    def input(self, name: str, shape, dtype=FLOAT) -> ir.Value:
+    def input(self, name: str, shape, dtype=None) -> ir.Value:
+        dtype = self.float if dtype is None else dtype
         v = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)))
         self.inputs.append(v)
         return v
@@ -52,8 +55,12 @@ class GraphBuilder:
         return v
 
     def f(self, x: float) -> ir.Value:
-        """A float32 scalar constant."""
-        return self.const(np.float32(x))
+        """A scalar constant of the graph's float type."""
+        return self.const(self.np_float.type(x))
+
+    def fconst(self, array) -> ir.Value:
+        """An array constant of the graph's float type."""
+        return self.const(np.asarray(array, dtype=self.np_float))
 
     def ints(self, *xs: int) -> ir.Value:
         """A 1-D int64 constant (shapes, axes, slice bounds)."""

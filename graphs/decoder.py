@@ -17,7 +17,7 @@ import onnx
 from .attention import attention_backward, attention_forward, causal_mask
 from .builder import INT64, GraphBuilder
 from .linear import Proj, linear_backward, linear_forward
-from .loss import logits_forward, loss_and_grad
+from .loss import logits_forward, loss_and_grad, loss_only
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
@@ -43,7 +43,7 @@ class Ctx:
         B, S = train.batch, train.seq
         self.dims = (B, spec.kv_heads, spec.group, S, spec.head_dim)
         cos, sin = rope_tables(S, spec.head_dim, spec.rope_theta)
-        self.cos, self.sin = g.const(cos), g.const(sin)
+        self.cos, self.sin = g.fconst(cos), g.fconst(sin)
         self.mask = causal_mask(g, S, spec.group)
 
 
@@ -153,10 +153,14 @@ def _embed(g, embed, ids, spec, train):
     return g.reshape(g.op("Gather", embed, ids, axis=0), train.batch * train.seq, spec.hidden)
 
 
-def build_training_graph(spec: ModelSpec, train: TrainSpec) -> onnx.ModelProto:
-    """Loss and the exact gradient of every LoRA tensor, in one graph (see module doc)."""
+def build_training_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
+    """Loss and the exact gradient of every LoRA tensor, in one graph (see module doc).
+
+    `dtype` is the float type of every weight and activation: float32 for training (the
+    compiler lowers GEMMs to bf16 on GPUs), float64 for finite-difference checks.
+    """
     train.validate(spec)
-    g = GraphBuilder(f"lorac_train_{spec.arch}")
+    g = GraphBuilder(f"lorac_train_{spec.arch}", _float(dtype))
     B, S = train.batch, train.seq
     ids = g.input("input_ids", [B, S], INT64)
     labels = g.input("labels", [B, S], INT64)
@@ -192,12 +196,26 @@ def build_training_graph(spec: ModelSpec, train: TrainSpec) -> onnx.ModelProto:
     return g.finish(doc=_doc(spec, train, "training"))
 
 
-def build_forward_graph(spec: ModelSpec, train: TrainSpec) -> onnx.ModelProto:
+def build_forward_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
     """Logits [B, S, V] of base + adapter (eval and generation); same inputs minus labels."""
-    train.validate(spec)
-    g = GraphBuilder(f"lorac_forward_{spec.arch}")
+    g, hN, head = _forward_only(spec, train, dtype, "forward")
     B, S = train.batch, train.seq
-    ids = g.input("input_ids", [B, S], INT64)
+    g.output(g.reshape(logits_forward(g, hN, head), B, S, spec.vocab), "logits")
+    return g.finish(doc=_doc(spec, train, "forward"))
+
+
+def build_eval_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
+    """The training graph's loss without any backward node (eval loss; autodiff oracles)."""
+    g, hN, head = _forward_only(spec, train, dtype, "eval")
+    labels = g.input("labels", [train.batch, train.seq], INT64)
+    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk)), "loss")
+    return g.finish(doc=_doc(spec, train, "eval"))
+
+
+def _forward_only(spec, train, dtype, kind):
+    train.validate(spec)
+    g = GraphBuilder(f"lorac_{kind}_{spec.arch}", _float(dtype))
+    ids = g.input("input_ids", [train.batch, train.seq], INT64)
     embed, layers, final_norm, head = declare_weights(g, spec, train)
     c = Ctx(g, spec, train)
     x = _embed(g, embed, ids, spec, train)
@@ -206,14 +224,19 @@ def build_forward_graph(spec: ModelSpec, train: TrainSpec) -> onnx.ModelProto:
         x, _ = layer_forward(c, x, L)
     g.scope = "head"
     hN, _ = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
-    g.output(g.reshape(logits_forward(g, hN, head), B, S, spec.vocab), "logits")
-    return g.finish(doc=_doc(spec, train, "forward"))
+    return g, hN, head
 
 
 def lora_tensor_names(spec: ModelSpec, train: TrainSpec) -> list[str]:
     """Every LoRA tensor of the graph in output order: by layer, target, then A before B."""
     return [lora_name(i, t, w) for i in train.layers(spec) for t in ALL_TARGETS if t in train.lora_targets
             for w in ("A", "B")]
+
+
+def _float(dtype):
+    if str(dtype) not in ("float32", "float64"):
+        raise ValueError(f"graph dtype must be float32 or float64, got {dtype!r}")
+    return str(dtype)
 
 
 def _doc(spec: ModelSpec, train: TrainSpec, kind: str) -> str:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .builder import FLOAT
-
 IGNORE = -100
 
 
@@ -21,7 +19,7 @@ def shifted_targets(g, labels, batch: int, seq: int):
     t = g.reshape(g.op("Concat", nxt, g.const(np.full((batch, 1), IGNORE, np.int64)), axis=1), n, 1)
     valid = g.op("Not", g.op("Equal", t, g.const(np.int64(IGNORE))))
     safe = g.op("Where", valid, t, g.const(np.int64(0)))
-    validf = g.op("Cast", valid, to=FLOAT)
+    validf = g.op("Cast", valid, to=g.float)
     # count >= 1 so an all-ignored batch gives loss 0 and zero gradients, not NaN
     count = g.op("Max", g.reduce_sum(validf, 0, 1), g.f(1.0))
     return safe, g.op("Div", validf, count)
@@ -31,34 +29,58 @@ def logits_forward(g, h, head):
     return g.mm_t(h, head)
 
 
-def ce_forward_backward(g, h, head, safe, weight, vocab: int):
-    """One chunk: -> (sum of weighted nll [1, 1], dh [n, D])."""
+def ce_forward(g, h, head, safe, weight):
+    """One chunk: -> (sum of weighted nll [1, 1], (exp(z), sum exp(z)) for the backward)."""
     logits = g.mm_t(h, head)
     # log-softmax with the max subtracted: lse = log sum exp(z), z = logits - max
     z = g.op("Sub", logits, g.op("ReduceMax", logits, g.ints(-1), keepdims=1))
     ez = g.op("Exp", z)
     se = g.reduce_sum(ez, -1)
     nll = g.op("Sub", g.op("Log", se), g.op("GatherElements", z, safe, axis=1))
-    loss = g.reduce_sum(g.op("Mul", nll, weight), 0, 1)
+    return g.reduce_sum(g.op("Mul", nll, weight), 0, 1), (ez, se)
+
+
+def ce_forward_backward(g, h, head, safe, weight, vocab: int):
+    """One chunk: -> (sum of weighted nll [1, 1], dh [n, D])."""
+    loss, (ez, se) = ce_forward(g, h, head, safe, weight)
     # d loss / d logits = (softmax - onehot(target)) * weight; then dh = dlogits E
     vocab_ids = g.op("Range", g.const(np.int64(0)), g.const(np.int64(vocab)), g.const(np.int64(1)))
-    onehot = g.op("Cast", g.op("Equal", safe, vocab_ids), to=FLOAT)
+    onehot = g.op("Cast", g.op("Equal", safe, vocab_ids), to=g.float)
     dlogits = g.op("Mul", g.op("Sub", g.op("Div", ez, se), onehot), weight)
     return loss, g.matmul(dlogits, head)
 
 
+def _chunks(g, n: int, chunk: int):
+    """Row selectors for `chunk`-token pieces of [N, ...] values (one piece when chunk is 0)."""
+    if chunk <= 0 or chunk >= n:
+        return [lambda v: v]
+    return [lambda v, lo=lo: g.slice(v, lo, min(lo + chunk, n), 0) for lo in range(0, n, chunk)]
+
+
+def _sum(g, parts):
+    return parts[0] if len(parts) == 1 else g.op("Sum", *parts)
+
+
 def loss_and_grad(g, h, head, labels, batch: int, seq: int, vocab: int, chunk: int):
     """Mean masked CE over all tokens -> (loss [1, 1], dh [N, D]); `chunk` tokens per piece (0: all)."""
-    n = batch * seq
     safe, weight = shifted_targets(g, labels, batch, seq)
-    chunk = n if chunk <= 0 or chunk >= n else chunk
     losses, grads = [], []
-    for lo in range(0, n, chunk):
-        hi = min(lo + chunk, n)
-        pick = (lambda v: v) if chunk == n else (lambda v: g.slice(v, lo, hi, 0))
+    for pick in _chunks(g, batch * seq, chunk):
         part, dh = ce_forward_backward(g, pick(h), head, pick(safe), pick(weight), vocab)
         losses.append(part)
         grads.append(dh)
-    loss = losses[0] if len(losses) == 1 else g.op("Sum", *losses)
-    dh = grads[0] if len(grads) == 1 else g.op("Concat", *grads, axis=0)
-    return loss, dh
+    return _sum(g, losses), grads[0] if len(grads) == 1 else g.op("Concat", *grads, axis=0)
+
+
+def ce_loss(g, h, head, safe, weight):
+    """One chunk of the eval loss through ONNX LogSoftmax (nothing kept for a backward);
+    an independent formulation, so autodiff oracles differentiate something other than
+    the expression the hand-derived backward was written against."""
+    logp = g.op("LogSoftmax", g.mm_t(h, head), axis=-1)
+    return g.reduce_sum(g.op("Mul", g.op("Neg", g.op("GatherElements", logp, safe, axis=1)), weight), 0, 1)
+
+
+def loss_only(g, h, head, labels, batch: int, seq: int, chunk: int):
+    """Mean masked CE without the gradient (eval) -> loss [1, 1]."""
+    safe, weight = shifted_targets(g, labels, batch, seq)
+    return _sum(g, [ce_loss(g, pick(h), head, pick(safe), pick(weight)) for pick in _chunks(g, batch * seq, chunk)])

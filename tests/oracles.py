@@ -86,6 +86,9 @@ def run_ort(model_proto, feeds: dict) -> dict[str, np.ndarray]:
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
+    if any(getattr(v, "dtype", None) == np.float64 for v in feeds.values()):
+        # ORT's fusions (FusedMatMul) have float32 kernels only
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(model_proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     wanted = {i.name for i in sess.get_inputs()}
