@@ -1,0 +1,60 @@
+"""Default CPU schedules for the non-GEMM kernels: inline, then one parallel loop each.
+
+Legalized Relax ops come out as serial loop nests, so without a schedule every fused
+kernel runs on one core. DLight ships a CPU rule for softmax/norm-like reductions
+(`dl.cpu.Reduction`); everything else gets `ParallelFallback`: inline what can be inlined
+(as DLight's GPU fallback does), then fuse each remaining block's leading spatial loops
+into one `parallel` loop and vectorize an innermost spatial loop when it is the last
+one. Kernels the rules cannot normalize stay serial (correct, just slower).
+"""
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import ScheduleRule, try_inline
+from tvm.s_tir.dlight.base.utils import get_extent
+
+_VEC = 8  # fp32 lanes of a 256-bit vector; LLVM legalizes wider or narrower hardware
+
+
+class ParallelFallback(ScheduleRule):
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline(sch, infos)
+        for info in infos:
+            block = info.block_rv
+            loops = sch.get_loops(block)
+            kinds = info.dom_kind()
+            if not loops or len(kinds) != len(loops):
+                continue
+            s_loops = [lp for lp, k in zip(loops, kinds) if k == "S"]
+            r_loops = [lp for lp, k in zip(loops, kinds) if k != "S"]
+            if not s_loops:
+                continue
+            sch.reorder(*s_loops, *r_loops)
+            inner = None
+            # vectorize the innermost spatial loop of a pure spatial block when it is
+            # contiguous enough to pay off (and keep it out of the parallel fuse)
+            if not r_loops and len(s_loops) >= 2:
+                ext = get_extent(sch, s_loops[-1])
+                if isinstance(ext, int) and ext % _VEC == 0:
+                    inner = s_loops.pop()
+            outer = sch.fuse(*s_loops) if len(s_loops) > 1 else s_loops[0]
+            sch.parallel(outer)
+            if inner is not None:
+                _, vec = sch.split(inner, factors=[None, _VEC])
+                sch.vectorize(vec)
+            if r_loops:
+                sch.decompose_reduction(block, r_loops[0])
+        return sch
+
+
+def ParallelizeCPU(target):  # noqa: N802 - reads like the pass it returns
+    """The Relax pass that applies the CPU rules to every not-yet-scheduled kernel."""
+    return dl.ApplyDefaultSchedule(dl.cpu.Reduction(), ParallelFallback())

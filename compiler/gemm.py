@@ -1,0 +1,138 @@
+"""GEMM dispatch: every Relax matmul becomes a call to a runtime-registered vendor GEMM.
+
+TVM's untuned matmul kernels run 317x slower than BLAS on the host CPU and ~19x slower
+than cuBLAS on the H200 (NOTES.md), so no matmul is left to TVM. Each `R.matmul(a, b)` is
+replaced by `call_dps_packed("lorac.gemm_<ta><tb>", [a', b'])`, where a transpose of the
+last two axes feeding an operand (`R.permute_dims(w, [.., -1, -2])`, e.g. HF [out, in]
+weights or K^T in attention) is folded into the call as an `n`/`t` letter in the name:
+the library reads the operand transposed in place and the copy disappears once dead code
+elimination drops the unused permute.
+
+The runtime (lorac.runtime.gemm_cpu / gemm_cuda) registers the four functions
+`lorac.gemm_nn`, `_nt`, `_tn`, `_tt` with the contract
+
+    out[..., M, N] = op_a(a)[..., M, K] @ op_b(b)[..., K, N]     (op = identity or swap of the last two axes)
+
+where `a` and `b` are row-major (contiguous), have 2 dims or the same batch dims as
+`out`, and `out` is written in full (no accumulate).
+
+With `compute_dtype="bfloat16"` both operands are cast to bf16 before the call (a cast
+of a bf16 weight that was itself widened from bf16 is skipped) while the output stays
+float32: the library multiplies in bf16 and accumulates in fp32, as the design asks.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+GEMM_PREFIX = "lorac.gemm_"
+GEMM_NAMES = tuple(GEMM_PREFIX + a + b for a in "nt" for b in "nt")
+
+_MATMUL = tvm.ir.Op.get("relax.matmul")
+_PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+_ASTYPE = tvm.ir.Op.get("relax.astype")
+
+
+def _static_shape(ty) -> list[int] | None:
+    """The static shape of a tensor type, or None when a dim is symbolic or unknown."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    if not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    dims = []
+    for d in ty.shape.values:
+        if not isinstance(d, tvm.tirx.IntImm):
+            return None
+        dims.append(int(d))
+    return dims
+
+
+def _swaps_last_two(axes, ndim: int) -> bool:
+    if axes is None:  # permute_dims with no axes reverses them: a swap only for 2-D
+        return ndim == 2
+    perm = [int(a) for a in axes]
+    return ndim >= 2 and perm == list(range(ndim - 2)) + [ndim - 1, ndim - 2]
+
+
+@mutator
+class _GemmRewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, compute_dtype: str):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.compute_dtype = compute_dtype
+        self.rewritten = 0
+        self.left = []  # matmuls kept as TVM kernels, with the reason
+
+    def transform(self) -> tvm.IRModule:
+        for gv, func in self.mod_.functions_items():
+            if isinstance(func, relax.Function):
+                self.builder_.update_func(gv, self.visit_expr(func))
+        return self.builder_.get()
+
+    def _producer(self, expr):
+        """The call that bound `expr`, looking through plain variables."""
+        if isinstance(expr, relax.Var):
+            bound = self.lookup_binding(expr)
+            if isinstance(bound, relax.Call):
+                return bound
+        return None
+
+    def _fold_transpose(self, operand):
+        """(source, transposed?) for a matmul operand, folding a last-two-axes permute."""
+        call = self._producer(operand)
+        if call is not None and call.op == _PERMUTE:
+            src = call.args[0]
+            shape = _static_shape(src.ty)
+            if shape is not None and _swaps_last_two(call.attrs.axes, len(shape)):
+                return src, True
+        return operand, False
+
+    def _to_compute_dtype(self, operand):
+        if operand.ty.dtype == self.compute_dtype:
+            return operand
+        # a bf16 weight widened to fp32 for the rest of the graph: use the bf16 original
+        call = self._producer(operand)
+        if call is not None and call.op == _ASTYPE and call.args[0].ty.dtype == self.compute_dtype:
+            return call.args[0]
+        return self.builder_.emit(relax.op.astype(operand, self.compute_dtype))
+
+    def visit_call_(self, call: relax.Call):
+        call = super().visit_call_(call)
+        if call.op != _MATMUL:
+            return call
+        a, b = call.args
+        out_shape = _static_shape(call.ty)
+        sa, sb = _static_shape(a.ty), _static_shape(b.ty)
+        why = None
+        if out_shape is None or sa is None or sb is None:
+            why = "symbolic shape"
+        elif len(sa) < 2 or len(sb) < 2:
+            why = "1-D operand"
+        elif call.ty.dtype not in ("float32", "bfloat16"):
+            why = f"dtype {call.ty.dtype}"
+        elif not (len(sa) == 2 or sa[:-2] == out_shape[:-2]) or not (len(sb) == 2 or sb[:-2] == out_shape[:-2]):
+            why = "broadcast batch dims"
+        if why is not None:
+            self.left.append(f"{sa} x {sb}: {why}")
+            return call
+        a, ta = self._fold_transpose(a)
+        b, tb = self._fold_transpose(b)
+        if self.compute_dtype != "float32":
+            a, b = self._to_compute_dtype(a), self._to_compute_dtype(b)
+        name = GEMM_PREFIX + ("t" if ta else "n") + ("t" if tb else "n")
+        self.rewritten += 1
+        out_ty = relax.TensorType(out_shape, "float32" if self.compute_dtype != "float32" else call.ty.dtype)
+        return relax.call_dps_packed(name, [a, b], out_ty)
+
+
+def dispatch_gemms(mod: tvm.IRModule, compute_dtype: str = "float32") -> tuple[tvm.IRModule, int, list[str]]:
+    """Rewrite every static-shape float matmul to a lorac GEMM call.
+
+    Returns (module, number rewritten, descriptions of matmuls left to TVM). Run it on the
+    imported module before legalization; dead permutes are removed afterwards.
+    """
+    rw = _GemmRewriter(mod, compute_dtype)
+    mod = rw.transform()
+    mod = relax.transform.DeadCodeElimination()(mod)
+    return mod, rw.rewritten, rw.left

@@ -1,0 +1,199 @@
+"""compile_graph: ONNX training graph -> TVM Relax -> passes -> build -> artifact directory.
+
+    import   from_onnx(keep_params_in_input=False): lorac's weights are graph *inputs*, so
+             they stay runtime inputs; the only initializers are shape constants, which
+             must fold (kept as inputs they make every Reshape symbolic: NOTES.md).
+    prepare  the target's own Relax rewrites (WebGPU: 64-bit ints to 32-bit).
+    dtype    bfloat16: frozen weights become bf16 inputs (precision.py).
+    gemm     every matmul -> a runtime-registered vendor GEMM (gemm.py), on targets
+             that have a library; the others keep TVM's kernels.
+    build    the target module's Relax passes (legalize, fuse, schedule, lower) and
+             tvm.compile, then the target's export writes the library into the artifact.
+
+The target modules (target_*.py) share one small interface: FAMILY, DEVICE,
+GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(mod),
+relax_passes(target), export(executable, art_dir, target) -> manifest fields.
+"""
+from __future__ import annotations
+
+import importlib
+import shutil
+import time
+from pathlib import Path
+
+import onnx
+
+from lorac.runtime.errors import LoracError
+
+from . import manifest as mf
+
+FAMILIES = ("cpu", "cuda", "rocm", "metal", "webgpu", "opencl", "aarch64")
+_KIND_FAMILY = {"cuda": "cuda", "rocm": "rocm", "metal": "metal", "webgpu": "webgpu", "opencl": "opencl"}
+DTYPES = ("float32", "bfloat16")
+
+
+def resolve_target(target) -> tuple[str, dict]:
+    """(family, request dict) for "cpu" | "cuda" | ... or a TVM target dict {"kind": ...}."""
+    if isinstance(target, str):
+        if target not in FAMILIES:
+            raise LoracError(f"unknown target {target!r}: choose one of {', '.join(FAMILIES)} or pass a TVM target dict")
+        return target, {"kind": target}
+    if isinstance(target, dict) and "kind" in target:
+        kind = target["kind"]
+        if kind in _KIND_FAMILY:
+            return _KIND_FAMILY[kind], dict(target)
+        if kind == "llvm":
+            triple = str(target.get("mtriple", ""))
+            return ("aarch64" if triple.startswith("aarch64") else "cpu"), dict(target)
+        raise LoracError(f"unsupported TVM target kind {kind!r}: lorac compiles for {', '.join(FAMILIES)}")
+    raise LoracError(f"target must be a name ({', '.join(FAMILIES)}) or a dict with 'kind', got {target!r}")
+
+
+def target_module(family: str):
+    return importlib.import_module(f"lorac.compiler.target_{family}")
+
+
+def _load_onnx(model) -> tuple[onnx.ModelProto, str]:
+    if isinstance(model, onnx.ModelProto):
+        return model, mf.sha256_bytes(model.SerializeToString())
+    path = Path(model)
+    if not path.is_file():
+        raise LoracError(f"ONNX graph not found: {path}")
+    data = path.read_bytes()
+    try:
+        proto = onnx.load_from_string(data)
+    except Exception as e:  # protobuf raises its own DecodeError type
+        raise LoracError(f"{path} is not an ONNX model: {e}") from None
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+        proto = onnx.load(str(path))  # only shape constants expected, but be correct anyway
+    return proto, mf.sha256_bytes(data)
+
+
+def check_supported_ops(model: onnx.ModelProto) -> None:
+    """Reject up front, naming every op, what TVM's ONNX frontend cannot convert."""
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    known = set(onnx_frontend._get_convert_map())
+    bad_domain = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
+    if bad_domain:
+        raise LoracError(f"graph uses ONNX domains {bad_domain}; TVM reads only the default domain")
+    missing = sorted({n.op_type for n in model.graph.node} - known)
+    if missing:
+        raise LoracError(f"TVM 0.27's ONNX frontend cannot convert these ops: {', '.join(missing)}")
+
+
+def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
+    """Manifest inputs/outputs: ONNX names with the Relax function's shapes and dtypes."""
+    from tvm import relax
+
+    inits = {i.name for i in model.graph.initializer}
+    onnx_inputs = [i.name for i in model.graph.input if i.name not in inits]
+    params = list(func.params)
+    if len(params) != len(onnx_inputs):
+        raise LoracError(f"frontend made {len(params)} parameters for {len(onnx_inputs)} graph inputs")
+
+    def entry(name, ty, **kw):
+        return {"name": name, "shape": [int(d) for d in ty.shape.values], "dtype": str(ty.dtype), **kw}
+
+    inputs = [entry(n, p.ty, relax_name=p.name) for n, p in zip(onnx_inputs, params)]
+    ret = func.ret_ty
+    rets = list(ret.fields) if isinstance(ret, relax.TupleType) else [ret]
+    names = [o.name for o in model.graph.output]
+    if len(rets) != len(names):
+        raise LoracError(f"compiled function returns {len(rets)} values for {len(names)} graph outputs")
+    return inputs, [entry(n, t) for n, t in zip(names, rets)]
+
+
+def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tune: int = 0,
+                  force: bool = False, verbose: bool = False) -> Path:
+    """Compile an ONNX training graph (path or ModelProto) into an artifact directory.
+
+    Returns the directory. When it already holds an artifact of the same graph hash,
+    target, dtype and versions, nothing is rebuilt (unless force=True).
+    """
+    family, request = resolve_target(target)
+    if dtype not in DTYPES:
+        raise LoracError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    tmod = target_module(family)
+    if dtype not in tmod.DTYPES:
+        raise LoracError(f"target {family} supports dtype {', '.join(tmod.DTYPES)}, not {dtype}")
+    proto, sha = _load_onnx(model)
+    art_dir = Path(out_dir) if out_dir is not None else Path("artifacts") / f"{sha[:12]}-{family}-{dtype}"
+    key = mf.cache_key(sha, request, dtype)
+    if not force and mf.matches(mf.read(art_dir), key, art_dir):
+        return art_dir
+
+    tmod.check_environment(request)
+    t0 = time.perf_counter()
+    import warnings
+
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    check_supported_ops(proto)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one "Renaming name" warning per dotted input
+        mod = from_onnx(proto, keep_params_in_input=False)
+    mod = tmod.prepare(mod)
+    if dtype == "bfloat16":
+        from .precision import frozen_weights_to_bf16
+        mod = frozen_weights_to_bf16(mod)
+    gemm = {"dispatched": 0, "left_to_tvm": []}
+    if tmod.GEMM_LIBRARY:
+        from .gemm import dispatch_gemms
+        mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
+        gemm = {"dispatched": n, "left_to_tvm": left}
+    inputs, outputs = _signature(proto, mod["main"])
+    t_import = time.perf_counter() - t0
+
+    tvm_target = tmod.tvm_target(request)
+    if tune:
+        if not hasattr(tmod, "tune"):
+            raise LoracError(f"--tune is not available for target {family}")
+        mod = tmod.tune(mod, tvm_target, tune, cache_dir=Path(art_dir).parent / ".lorac-tuning")
+    import tvm
+
+    seq = tvm.transform.Sequential(tmod.relax_passes(tvm_target))
+
+    @tvm.transform.module_pass(opt_level=0, name="LoracRelaxPipeline")
+    def pipeline(m, _ctx):
+        with tvm_target:
+            return seq(m)
+
+    ex = tvm.compile(mod, tvm_target, relax_pipeline=pipeline)
+    t_build = time.perf_counter() - t0 - t_import
+
+    # build into a fresh staging directory, then swap: a failed export leaves no half artifact
+    stage = art_dir.with_name(art_dir.name + ".building")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    files = tmod.export(ex, stage, tvm_target)
+    manifest = {
+        "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
+        **key,
+        "target": {"family": family, "request": request, "device": tmod.DEVICE,
+                   "tvm": _jsonable(tvm_target.export())},
+        "library": files.pop("library"),
+        "inputs": inputs, "outputs": outputs, "gemm": gemm,
+        "extra": files,
+        "compile_seconds": {"import": round(t_import, 3), "build": round(t_build, 3),
+                            "export": round(time.perf_counter() - t0 - t_import - t_build, 3)},
+    }
+    mf.write(stage, manifest)
+    if art_dir.exists():
+        shutil.rmtree(art_dir)
+    stage.rename(art_dir)
+    if verbose:
+        print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
+              f"{len(gemm['left_to_tvm'])} left to TVM; {manifest['compile_seconds']} s -> {art_dir}")
+    return art_dir
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)

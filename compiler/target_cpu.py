@@ -1,0 +1,53 @@
+"""Host CPU (LLVM): GEMMs on the BLAS numpy links, every other op a fused TVM kernel.
+
+The target is the compiling machine's own CPU (LLVM's name for it as -mcpu), so the
+artifact is for this host or one of the same CPU family. Artifact: `lib.so`, a shared
+library linked with the system C compiler.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+FAMILY = "cpu"
+DEVICE = "cpu"
+GEMM_LIBRARY = True  # numpy's BLAS through lorac.runtime.gemm_cpu
+DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
+
+
+def tvm_target(request: dict):
+    import tvm
+    from tvm.target import codegen
+
+    spec = {k: v for k, v in request.items() if k != "kind"}
+    spec.setdefault("mcpu", codegen.llvm_get_system_cpu())
+    return tvm.target.Target({"kind": "llvm", **spec})
+
+
+def check_environment(request: dict) -> None:
+    """Linking the library needs a C compiler (the system `cc`), which any dev box has."""
+    import shutil
+
+    from lorac.runtime.errors import LoracError
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")):
+        raise LoracError("target cpu needs a C compiler (cc/gcc) to link the artifact library")
+
+
+def prepare(mod):
+    return mod
+
+
+def relax_passes(target) -> list:
+    """Legalize, fuse, give every fused kernel a parallel loop (cpu_schedule), lower."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+
+    from .cpu_schedule import ParallelizeCPU
+
+    return (cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)
+            + [ParallelizeCPU(target)]
+            + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))
+
+
+def export(ex, art_dir: Path, target) -> dict:
+    ex.export_library(str(Path(art_dir) / "lib.so"))
+    return {"library": "lib.so"}

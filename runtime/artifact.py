@@ -1,0 +1,130 @@
+"""load_artifact: run a compiled lorac artifact with TVM's runtime alone.
+
+    step = load_artifact("art/", device="cpu")     # or "cuda"
+    out = step({"input_ids": ids, "labels": labels, "model.embed_tokens.weight": w, ...})
+    out["loss"], out["base_model.model....lora_A.weight.grad"]
+
+Needs only `tvm` importable in runtime-only mode (no libtvm_compiler, no torch): the
+library is loaded with tvm.runtime.load_module and driven by the Relax VM. The GEMMs the
+compiler left as calls are registered here (runtime/gemm.py). Inputs and outputs use
+the ONNX graph's names (the frontend renamed dotted names; the manifest maps them back).
+Every mismatch between the artifact and the call raises one LoracError naming it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import LoracError
+
+DEVICES = ("cpu", "cuda")
+FORMAT = "lorac-artifact"
+
+
+def read_manifest(art_dir) -> dict:
+    path = Path(art_dir) / "manifest.json"
+    if not path.is_file():
+        raise LoracError(f"{art_dir} is not a lorac artifact: no manifest.json")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LoracError(f"{path}: broken manifest ({e})") from None
+    if m.get("format") != FORMAT:
+        raise LoracError(f"{path}: not a lorac artifact manifest (format {m.get('format')!r})")
+    return m
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class Step:
+    """One compiled training step: call with a dict of inputs, get a dict of outputs."""
+
+    def __init__(self, vm, manifest: dict, dev, device: str):
+        self.manifest = manifest
+        self.inputs = manifest["inputs"]
+        self.outputs = manifest["outputs"]
+        self.device = device
+        self._vm = vm
+        self._dev = dev
+        self._names = {i["name"] for i in self.inputs}
+
+    def _check(self, inputs: dict) -> None:
+        missing = [n for n in (i["name"] for i in self.inputs) if n not in inputs]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise LoracError(f"missing artifact input(s): {', '.join(missing[:3])}{more}")
+        unknown = sorted(set(inputs) - self._names)
+        if unknown:
+            raise LoracError(f"unknown input(s) for this artifact: {', '.join(unknown[:3])}")
+
+    def _to_device(self, spec: dict, value):
+        import tvm
+
+        want_shape, want_dtype = tuple(spec["shape"]), spec["dtype"]
+        if isinstance(value, np.ndarray) or np.isscalar(value):
+            arr = np.asarray(value)
+            if tuple(arr.shape) != want_shape:
+                raise LoracError(f"input {spec['name']}: shape {list(arr.shape)}, artifact expects {list(want_shape)}")
+            if arr.dtype != _np_dtype(want_dtype):
+                # floats convert (fp32 weights upload as bf16 to a bf16 artifact); ints of
+                # another width convert; float <-> int never does, that is a caller bug
+                if (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16") != ("float" in want_dtype):
+                    raise LoracError(f"input {spec['name']}: dtype {arr.dtype}, artifact expects {want_dtype}")
+                arr = arr.astype(_np_dtype(want_dtype))
+            return tvm.runtime.tensor(np.ascontiguousarray(arr), self._dev)
+        # a device tensor (TVM, or anything speaking DLPack): zero copy, checked as is
+        t = value if hasattr(value, "device") and hasattr(value, "shape") and type(value).__module__.startswith("tvm") \
+            else tvm.runtime.from_dlpack(value)
+        if tuple(t.shape) != want_shape or str(t.dtype) != want_dtype:
+            raise LoracError(f"input {spec['name']}: {list(t.shape)} {t.dtype}, artifact expects "
+                             f"{list(want_shape)} {want_dtype}")
+        if t.device.dlpack_device_type() != self._dev.dlpack_device_type():
+            raise LoracError(f"input {spec['name']} is on {t.device}, the artifact runs on {self._dev}")
+        return t
+
+    def __call__(self, inputs: dict, as_numpy: bool = True) -> dict:
+        self._check(inputs)
+        args = [self._to_device(spec, inputs[spec["name"]]) for spec in self.inputs]
+        res = self._vm["main"](*args)
+        res = list(res) if len(self.outputs) > 1 else [res]
+        if as_numpy:
+            res = [r.numpy() for r in res]
+        return {o["name"]: r for o, r in zip(self.outputs, res)}
+
+
+def load_artifact(art_dir, device: str = "cpu") -> Step:
+    """Load a compiled artifact for `device` ("cpu" or "cuda"); see the module doc."""
+    if device not in DEVICES:
+        raise LoracError(f"unknown device {device!r}: lorac artifacts run on {', '.join(DEVICES)}")
+    art_dir = Path(art_dir)
+    m = read_manifest(art_dir)
+    target = m.get("target", {})
+    if target.get("device") != device:
+        raise LoracError(f"{art_dir} was compiled for target {target.get('family')} "
+                         f"(runs on {target.get('device')}), not for device {device}")
+    lib_path = art_dir / m.get("library", "")
+    if not lib_path.is_file():
+        raise LoracError(f"{art_dir}: library {m.get('library')!r} named in the manifest is missing")
+
+    import tvm
+
+    from . import gemm
+    gemm.register()
+    if device == "cuda":
+        from . import cuda_loader
+        cuda_loader.prepare(art_dir, m)
+        dev = tvm.cuda(0)
+        if not dev.exist:
+            raise LoracError("device cuda requested but no CUDA GPU is visible")
+    else:
+        dev = tvm.cpu(0)
+    lib = tvm.runtime.load_module(str(lib_path))
+    vm = tvm.runtime.vm.VirtualMachine(lib, dev)
+    return Step(vm, m, dev, device)
