@@ -1,0 +1,146 @@
+"""Checkpoints: exact round trip, clear errors, and kill -9 during a write (subprocess)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lorac.runtime.checkpoint import (config_hash, load_checkpoint, rng_from_state, rng_state,
+                                      save_checkpoint)
+from lorac.runtime.errors import LoracError
+
+NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+
+
+def tensors(step):
+    rng = np.random.default_rng(step)
+    lora = {NAME.format("A"): rng.standard_normal((4, 16), dtype=np.float32),
+            NAME.format("B"): rng.standard_normal((16, 4), dtype=np.float32)}
+    m = {k: x * 0.1 for k, x in lora.items()}
+    v = {k: x * x for k, x in lora.items()}
+    return lora, m, v
+
+
+def test_round_trip_is_exact_and_rng_resumes(tmp_path):
+    rng = np.random.default_rng(123)
+    rng.random(7)
+    lora, m, v = tensors(5)
+    state = {"rng": rng_state(rng), "data": {"epoch": 1, "index": 42}, "train_config": {"lr": 1e-4},
+             "model_hash": config_hash({"hidden_size": 64}), "graph_hash": "abc"}
+    d = save_checkpoint(tmp_path, 5, lora, m, v, state)
+    expected_next = rng.random(5)
+    ck = load_checkpoint(tmp_path, model_hash=config_hash({"hidden_size": 64}), graph_hash="abc")
+    assert ck.path == d and ck.step == 5
+    assert ck.state["data"] == {"epoch": 1, "index": 42} and ck.state["lorac_version"]
+    for k in lora:
+        assert np.array_equal(ck.lora[k], lora[k]) and np.array_equal(ck.m[k], m[k]) and np.array_equal(ck.v[k], v[k])
+    assert np.array_equal(rng_from_state(ck.state["rng"]).random(5), expected_next)
+    json.dumps(ck.state)  # plain JSON all the way
+
+
+def test_latest_moves_and_old_ones_are_pruned(tmp_path):
+    for step in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, step, *tensors(step), keep=2)
+    assert load_checkpoint(tmp_path).step == 40
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == ["ckpt-000030", "ckpt-000040"]
+    d = save_checkpoint(tmp_path, 40, *tensors(41), keep=2)  # same step again: a fresh name
+    assert d.name == "ckpt-000040.1" and load_checkpoint(tmp_path).path == d
+    assert load_checkpoint(tmp_path / "ckpt-000040").step == 40  # keep=2: 30 was pruned
+    assert not (tmp_path / "ckpt-000030").exists()
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(LoracError, match="checkpoint not found"):
+        load_checkpoint(tmp_path / "nope")
+    with pytest.raises(LoracError, match="not a lorac checkpoint"):
+        load_checkpoint(tmp_path)
+    d = save_checkpoint(tmp_path / "a", 1, *tensors(1), {"model_hash": "1" * 64})
+    with pytest.raises(LoracError, match="another model"):
+        load_checkpoint(d, model_hash="2" * 64)
+    with pytest.raises(LoracError, match="another training graph"):
+        load_checkpoint(d, graph_hash="x")
+    blob = bytearray((d / "optim.safetensors").read_bytes())
+    blob[-3] ^= 0xFF
+    (d / "optim.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(LoracError, match="corrupt checkpoint .*optim.safetensors"):
+        load_checkpoint(d)
+    (d / "state.json").write_text("{not json")
+    with pytest.raises(LoracError, match="state.json unreadable"):
+        load_checkpoint(d)
+    (d / "lora.safetensors").unlink()
+    (d / "state.json").write_text(json.dumps({"format": "lorac-checkpoint-1", "step": 1,
+                                              "files": {"lora.safetensors": "0"}}))
+    with pytest.raises(LoracError, match="lora.safetensors is missing"):
+        load_checkpoint(d)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "latest").write_text("ckpt-000009\n")
+    with pytest.raises(LoracError, match="not a checkpoint"):
+        load_checkpoint(tmp_path / "b")
+    for e in (LoracError,):  # each message is a single line
+        try:
+            load_checkpoint(tmp_path / "b")
+        except e as err:
+            assert "\n" not in str(err)
+
+
+# The child saves step 1, then step 2 with every I/O phase announced on stdout and slowed
+# down; the parent kills it with SIGKILL right after the k-th announcement.
+CHILD = textwrap.dedent("""
+    import sys, time
+    from lorac.runtime import checkpoint as ck
+    sys.path.insert(0, {tests!r})
+    from test_checkpoint import tensors
+    root = sys.argv[1]
+    ck.save_checkpoint(root, 1, *tensors(1))
+    def slow(name, fn):
+        def wrapped(*a, **k):
+            print("PHASE", name, flush=True)
+            time.sleep(0.03)
+            return fn(*a, **k)
+        return wrapped
+    for name in ("save_file", "_fsync_file", "_fsync_dir", "_write_text_atomic", "_sha256", "_prune"):
+        setattr(ck, name, slow(name, getattr(ck, name)))
+    ck.os.rename = slow("rename", ck.os.rename)
+    ck.save_checkpoint(root, 2, *tensors(2))
+    print("DONE", flush=True)
+""")
+
+
+def _run_child(root: Path, kill_at: int | None) -> list[str]:
+    code = CHILD.format(tests=str(Path(__file__).parent))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True, env=env)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line.strip())
+        if kill_at is not None and line.startswith("PHASE") and sum(s.startswith("PHASE") for s in seen) > kill_at:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    return seen
+
+
+def test_kill_minus_9_during_write_leaves_previous_checkpoint(tmp_path):
+    full = _run_child(tmp_path / "full", None)
+    assert full[-1] == "DONE"
+    phases = [s for s in full if s.startswith("PHASE")]
+    latest_at = phases.index("PHASE _write_text_atomic")
+    for k in range(len(phases)):
+        root = tmp_path / f"k{k}"
+        _run_child(root, k)
+        ck = load_checkpoint(root)
+        # killed before `latest` was replaced -> the old checkpoint, else the new one; never a mix
+        want = 1 if k <= latest_at else 2
+        assert ck.step == want, (k, phases[k])
+        lora, m, v = tensors(want)
+        assert all(np.array_equal(ck.lora[n], lora[n]) and np.array_equal(ck.v[n], v[n]) for n in lora)
+        # and the run can carry on writing checkpoints in the same root
+        save_checkpoint(root, 3, *tensors(3))
+        assert load_checkpoint(root).step == 3
+        assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
