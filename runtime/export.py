@@ -1,0 +1,244 @@
+"""Adapter export: PEFT adapter directory, merged HF model, GGUF LoRA adapter (llama.cpp).
+
+LoRA tensors arrive as float32 numpy arrays under their PEFT names,
+    base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_A.weight  [r, in]
+    base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_B.weight  [out, r]
+and W_eff = W + s * B @ A with s = alpha / r (alpha / sqrt(r) with rsLoRA). The formats
+are described in docs/EXPORT.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16' so safetensors can read/write bf16)
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from .errors import LoracError
+
+_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# llama.cpp's tensor names (gguf-py's TENSOR_NAMES; checked against gguf's own map in the tests)
+GGUF_TENSOR = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+# HF architecture -> (llama.cpp architecture, whether llama.cpp permutes q/k rows).
+# convert_hf_to_gguf.py's LlamaModel (Llama, Mistral) permutes q_proj/k_proj rows from HF's
+# half-split RoPE layout to GGML's interleaved one; its Qwen2/Qwen3 classes do not.
+GGUF_ARCH = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
+             "Qwen2ForCausalLM": ("qwen2", False), "Qwen3ForCausalLM": ("qwen3", False)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+# -- names and pairs -----------------------------------------------------------------------
+def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
+    """s in W + s*B@A: alpha/r, or alpha/sqrt(r) with rsLoRA (PEFT's LoraLayer.update_layer)."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def lora_pairs(lora: dict[str, np.ndarray]) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    """{(layer, target): (A, B)}, checking names, shapes and that every A has its B."""
+    parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name, t in lora.items():
+        mt = _NAME.match(name)
+        if not mt or mt.group(3) not in PARENT or PARENT[mt.group(3)] != mt.group(2):
+            raise LoracError(f"not a LoRA tensor name lorac exports: {name}")
+        parts.setdefault((int(mt.group(1)), mt.group(3)), {})[mt.group(4)] = np.asarray(t)
+    out = {}
+    for key, ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoracError(f"LoRA layer {key[0]} {key[1]} has lora_{''.join(ab)} but not its partner")
+        a, b = ab["A"], ab["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise LoracError(f"LoRA layer {key[0]} {key[1]}: shapes A{a.shape} B{b.shape} do not chain (A [r,in], B [out,r])")
+        out[key] = (a, b)
+    if not out:
+        raise LoracError("no LoRA tensors to export")
+    ranks = {a.shape[0] for a, _ in out.values()}
+    if len(ranks) != 1:
+        raise LoracError(f"LoRA tensors have mixed ranks {sorted(ranks)}; export needs one rank")
+    return out
+
+
+def lora_name(layer: int, target: str, ab: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{PARENT[target]}.{target}.lora_{ab}.weight"
+
+
+def weight_name(layer: int, target: str) -> str:
+    return f"model.layers.{layer}.{PARENT[target]}.{target}.weight"
+
+
+# -- (a) PEFT adapter ----------------------------------------------------------------------
+def export_peft(out_dir, lora: dict[str, np.ndarray], *, alpha: float, use_rslora: bool = False,
+                base_model_name_or_path: str = "", num_hidden_layers: int | None = None) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors that PeftModel.from_pretrained loads.
+
+    `num_hidden_layers` (the base model's) lets the config say `layers_to_transform` when
+    only some layers carry LoRA; without it every layer is assumed adapted.
+    """
+    pairs = lora_pairs(lora)
+    r = next(iter(pairs.values()))[0].shape[0]
+    layers = sorted({layer for layer, _ in pairs})
+    targets = sorted({t for _, t in pairs})
+    missing = [(i, t) for i in layers for t in targets if (i, t) not in pairs]
+    if missing:  # PEFT applies every target to every chosen layer; a hole would load as B=0 silently
+        raise LoracError(f"LoRA set has no tensors for layer {missing[0][0]} {missing[0][1]}: PEFT needs every "
+                         "target in every adapted layer")
+    partial = num_hidden_layers is not None and layers != list(range(num_hidden_layers))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": int(r), "lora_alpha": alpha, "use_rslora": bool(use_rslora), "target_modules": targets,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "use_dora": False, "modules_to_save": None,
+        "layers_to_transform": layers if partial else None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {}
+    for (layer, t), (a, b) in pairs.items():  # PEFT's saved keys drop the adapter name ("default")
+        tensors[lora_name(layer, t, "A")] = np.ascontiguousarray(a, dtype=np.float32)
+        tensors[lora_name(layer, t, "B")] = np.ascontiguousarray(b, dtype=np.float32)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# -- (b) merged model ----------------------------------------------------------------------
+def merge_lora(weights: dict[str, np.ndarray], lora: dict[str, np.ndarray], *, alpha: float,
+               use_rslora: bool = False) -> dict[str, np.ndarray]:
+    """A copy of `weights` (HF names) with W + s*B@A folded into each adapted matrix.
+
+    The product is formed in float32 and added to W in float32, then cast back to W's dtype
+    (bf16/fp16 sources lose only the final rounding). Unadapted tensors are shared, not copied.
+    """
+    pairs = lora_pairs(lora)
+    s = lora_scale(alpha, next(iter(pairs.values()))[0].shape[0], use_rslora)
+    out = dict(weights)
+    for (layer, t), (a, b) in pairs.items():
+        key = weight_name(layer, t)
+        if key not in weights:
+            raise LoracError(f"base model has no weight {key} for the LoRA on layer {layer} {t}")
+        w = weights[key]
+        if w.shape != (b.shape[0], a.shape[1]):
+            raise LoracError(f"{key} has shape {tuple(w.shape)}, the LoRA expects {(b.shape[0], a.shape[1])}")
+        delta = s * (b.astype(np.float32) @ a.astype(np.float32))
+        out[key] = (w.astype(np.float32) + delta).astype(w.dtype)
+    return out
+
+
+def _model_files(model_dir: Path) -> list[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (model_dir / "model.safetensors").exists():
+        return ["model.safetensors"]
+    raise LoracError(f"no model.safetensors (or model.safetensors.index.json) in {model_dir}")
+
+
+def export_merged(out_dir, model_dir, lora: dict[str, np.ndarray], *, alpha: float, use_rslora: bool = False,
+                  dtype: str | None = None) -> Path:
+    """An HF model directory with the LoRA folded in, shard layout kept as in `model_dir`.
+
+    `dtype`: None keeps each tensor's source dtype; "float32" writes everything in fp32 (and
+    says so in config.json). config.json, the index and tokenizer files are copied.
+    """
+    model_dir, out = Path(model_dir), Path(out_dir)
+    if not (model_dir / "config.json").exists():
+        raise LoracError(f"no config.json in {model_dir}")
+    if dtype not in (None, "float32"):
+        raise LoracError(f"merged export dtype must be None (source) or 'float32', got {dtype!r}")
+    pairs = lora_pairs(lora)
+    out.mkdir(parents=True, exist_ok=True)
+    done = set()
+    for fname in _model_files(model_dir):
+        try:
+            with safe_open(str(model_dir / fname), framework="numpy") as f:
+                weights = {k: f.get_tensor(k) for k in f.keys()}
+        except (OSError, SafetensorError) as e:
+            raise LoracError(f"cannot read {model_dir / fname}: {str(e).splitlines()[0]}") from None
+        mine = {lora_name(i, t, ab): x for (i, t), (a, b) in pairs.items() if weight_name(i, t) in weights
+                for ab, x in (("A", a), ("B", b))}
+        merged = merge_lora(weights, mine, alpha=alpha, use_rslora=use_rslora) if mine else weights
+        done |= {k for k in mine}
+        if dtype == "float32":
+            merged = {k: v.astype(np.float32) for k, v in merged.items()}
+        save_file({k: np.ascontiguousarray(v) for k, v in merged.items()}, str(out / fname), metadata={"format": "pt"})
+    if len(done) != 2 * len(pairs):
+        left = sorted(set(lora_name(i, t, "A") for i, t in pairs) - done)
+        raise LoracError(f"base model has no weight for LoRA tensor {left[0]}")
+    config = json.loads((model_dir / "config.json").read_text())
+    if dtype == "float32":
+        for key in ("torch_dtype", "dtype"):
+            if key in config:
+                config[key] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in ("model.safetensors.index.json",) + TOKENIZER_FILES:
+        if (model_dir / extra).exists():
+            shutil.copyfile(model_dir / extra, out / extra)
+    return out
+
+
+# -- (c) GGUF LoRA adapter (llama.cpp) -------------------------------------------------------
+def llama_qk_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder rows per head from HF's RoPE layout (first half / second half of each head's
+    dims are the pairs) to GGML's (pairs adjacent): new row 2i+j <- old row j*(d/2)+i.
+
+    This is what convert_hf_to_gguf.py does to llama q_proj/k_proj weights; for W + s*B@A
+    only B's rows move (permuting the rows of B@A is permuting the rows of B).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise LoracError(f"cannot split {rows} rows into {n_head} heads of pairs")
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_config: dict,
+                use_rslora: bool = False, name: str = "lorac adapter") -> Path:
+    """Write a llama.cpp LoRA adapter (`llama-cli -m base.gguf --lora this.gguf`).
+
+    llama.cpp scales by alpha / r (r read from lora_b), so rsLoRA's alpha/sqrt(r) is written
+    as alpha_eff = alpha * sqrt(r). Tensors are float32.
+    """
+    import gguf  # the gguf package (a lorac dependency); imported here to keep startup light
+
+    arch_name = (model_config.get("architectures") or ["?"])[0]
+    if arch_name not in GGUF_ARCH:
+        raise LoracError(f"GGUF export supports {', '.join(GGUF_ARCH)}; the model is {arch_name}")
+    arch, permute = GGUF_ARCH[arch_name]
+    pairs = lora_pairs(lora)
+    r = next(iter(pairs.values()))[0].shape[0]
+    alpha_eff = alpha * math.sqrt(r) if use_rslora else alpha
+    n_head = int(model_config["num_attention_heads"])
+    n_kv = int(model_config.get("num_key_value_heads") or n_head)
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_type(gguf.GGUFType.ADAPTER)                       # general.type = "adapter"
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")            # adapter.type = "lora"
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha_eff))
+    w.add_name(name)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for (layer, t), (a, b) in pairs.items():
+        b = np.asarray(b, dtype=np.float32)
+        if permute and t == "q_proj":
+            b = llama_qk_permute(b, n_head)
+        elif permute and t == "k_proj":
+            b = llama_qk_permute(b, n_kv)
+        base = f"blk.{layer}.{GGUF_TENSOR[t]}.weight"
+        # numpy [r, in] is GGML ne [in, r]: llama.cpp checks a.ne[0] == W.ne[0] (in) and
+        # b.ne[1] == W.ne[1] (out), exactly what PEFT's shapes give after the reversal
+        w.add_tensor(base + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
+        w.add_tensor(base + ".lora_b", np.ascontiguousarray(b))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
