@@ -128,3 +128,11 @@ def optimizer_feed_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
     for suffix in (".grad", ".m", ".v"):
         out += [f"{n}{suffix}" for n in shapes]
     return out + ["lr_a", "lr_b", "step"]
+
+
+def optimizer_output_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The graph's output names in order."""
+    out = []
+    for n in shapes:
+        out += [f"{n}.new", f"{n}.m.new", f"{n}.v.new"]
+    return out + ["grad_norm", "skipped"]

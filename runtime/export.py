@@ -212,6 +212,8 @@ def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_co
     if arch_name not in GGUF_ARCH:
         raise LoracError(f"GGUF export supports {', '.join(GGUF_ARCH)}; the model is {arch_name}")
     arch, permute = GGUF_ARCH[arch_name]
+    if not alpha > 0:  # llama.cpp reads alpha == 0 as "no scaling" (scale 1), not as s = 0
+        raise LoracError(f"GGUF export needs lora alpha > 0, got {alpha}")
     pairs = lora_pairs(lora)
     r = next(iter(pairs.values()))[0].shape[0]
     alpha_eff = alpha * math.sqrt(r) if use_rslora else alpha

@@ -195,3 +195,11 @@ def test_optimizer_graph_ops_convert_in_tvm_and_match():
         outs = vm["main"](*[tvm.runtime.tensor(np.asarray(feeds[n], dtype=np.float32)) for n in in_names])
         return {n: o.numpy() for n, o in zip(out_names, outs)}
     _graph_run_ref(run, params, GRAPH_CFG)
+
+
+def test_feed_and_output_names_follow_the_graph():
+    from lorac.graphs.optimizer import build_optimizer_graph, optimizer_feed_names, optimizer_output_names
+    shapes = {P.format(i=0, mod="self_attn.q_proj", ab="A"): (2, 8), P.format(i=0, mod="self_attn.q_proj", ab="B"): (8, 2)}
+    model = build_optimizer_graph(shapes, LoraPlusConfig())
+    assert [i.name for i in model.graph.input] == optimizer_feed_names(shapes)
+    assert [o.name for o in model.graph.output] == optimizer_output_names(shapes)
