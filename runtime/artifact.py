@@ -54,6 +54,9 @@ class Step:
         self._vm = vm
         self._dev = dev
         self._names = {i["name"] for i in self.inputs}
+        # TVM's embedding gather reads out of bounds (and may segfault) on a bad id, so
+        # ids and labels are range-checked here, where it is cheap
+        self._vocab = next((i["shape"][0] for i in self.inputs if i["name"].endswith("embed_tokens.weight")), None)
 
     def _check(self, inputs: dict) -> None:
         missing = [n for n in (i["name"] for i in self.inputs) if n not in inputs]
@@ -72,13 +75,18 @@ class Step:
             arr = np.asarray(value)
             if tuple(arr.shape) != want_shape:
                 raise LoracError(f"input {spec['name']}: shape {list(arr.shape)}, artifact expects {list(want_shape)}")
+            if self._vocab and spec["name"] in ("input_ids", "labels") and arr.size:
+                lo = -100 if spec["name"] == "labels" else 0  # -100: ignored label
+                if arr.max() >= self._vocab or arr.min() < lo or (lo < 0 and ((arr < 0) & (arr != -100)).any()):
+                    raise LoracError(f"input {spec['name']}: values outside [0, {self._vocab})")
             if arr.dtype != _np_dtype(want_dtype):
                 # floats convert (fp32 weights upload as bf16 to a bf16 artifact); ints of
                 # another width convert; float <-> int never does, that is a caller bug
                 if (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16") != ("float" in want_dtype):
                     raise LoracError(f"input {spec['name']}: dtype {arr.dtype}, artifact expects {want_dtype}")
                 arr = arr.astype(_np_dtype(want_dtype))
-            return tvm.runtime.tensor(np.ascontiguousarray(arr), self._dev)
+            # np.ascontiguousarray would turn a 0-d scalar into shape [1]
+            return tvm.runtime.tensor(np.require(arr, requirements="C"), self._dev)
         # a device tensor (TVM, or anything speaking DLPack): zero copy, checked as is
         t = value if hasattr(value, "device") and hasattr(value, "shape") and type(value).__module__.startswith("tvm") \
             else tvm.runtime.from_dlpack(value)
@@ -88,6 +96,11 @@ class Step:
         if t.device.dlpack_device_type() != self._dev.dlpack_device_type():
             raise LoracError(f"input {spec['name']} is on {t.device}, the artifact runs on {self._dev}")
         return t
+
+    def upload(self, spec: dict, value):
+        """A device tensor for input `spec` (a manifest entry), converted to its dtype; the
+        training loop uploads frozen weights once and passes the result to every call."""
+        return self._to_device(spec, value)
 
     def __call__(self, inputs: dict, as_numpy: bool = True) -> dict:
         self._check(inputs)
@@ -114,6 +127,7 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
         raise LoracError(f"{art_dir}: library {m.get('library')!r} named in the manifest is missing")
 
     import tvm
+    from tvm.runtime import vm as tvm_vm
 
     from . import gemm
     gemm.register()
@@ -126,5 +140,5 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
     else:
         dev = tvm.cpu(0)
     lib = tvm.runtime.load_module(str(lib_path))
-    vm = tvm.runtime.vm.VirtualMachine(lib, dev)
+    vm = tvm_vm.VirtualMachine(lib, dev)
     return Step(vm, m, dev, device)

@@ -1,0 +1,232 @@
+"""`lorac compile | train | eval | generate | export`.
+
+Every train setting is a flag; `--config FILE.toml` supplies defaults for them (keys are
+the flag names with dashes or underscores), and flags given on the command line win.
+Bad input ends with one line on stderr and exit code 2; nothing half-written is left.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from .errors import LoracError
+from .train import ALL_TARGETS, TrainConfig
+
+TRAIN_HELP = {
+    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    "data": "training data: .txt, or .jsonl with text / prompt+completion / chat messages "
+            "(default: the bundled Jargon File Q&A corpus)",
+    "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/",
+    "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
+    "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
+    "targets": f"comma-separated LoRA targets (default: all of {','.join(ALL_TARGETS)})",
+    "trained_layers": "adapt only layers A:B (no backward below A)",
+    "lr": "learning rate of the LoRA A matrices", "loraplus_ratio": "LoRA+ ratio: lr(B) = ratio * lr(A)",
+    "warmup": "linear warmup steps (then cosine decay to lr/10)", "weight_decay": "AdamW decoupled weight decay",
+    "max_grad_norm": "global gradient-norm clip (<= 0: off)", "grad_accum": "micro-batches per optimizer step",
+    "target": "where to train: cpu or cuda", "dtype": "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)",
+    "checkpointing": "recompute each layer's forward in the backward (less memory)",
+    "loss_chunk": "tokens per cross-entropy chunk (0: one chunk)", "eval_every": "steps between evals",
+    "eval_batches": "batches per eval (0: no eval)", "save_every": "steps between checkpoints",
+    "keep_checkpoints": "checkpoints kept", "seed": "random seed (LoRA init and data order)",
+    "resume": "continue from a checkpoint directory (or OUT/checkpoints)",
+    "cache_dir": "compiled-artifact cache", "eval_fraction": "share of documents held out for eval",
+    "sample_prompt": "prompt for the before/after sample (default: one from the eval data)",
+    "sample_tokens": "tokens generated for the sample (0: no sample)",
+}
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file with defaults for any of these flags")
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_ = TRAIN_HELP.get(f.name, "")
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", default=None, help=help_)
+        elif f.name == "targets":
+            p.add_argument(flag, default=None, help=help_)
+        else:
+            kind = type(default) if default is not None else str
+            p.add_argument(flag, type=kind, default=None, help=f"{help_} (default: {default})")
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    values = {}
+    if args.config:
+        import tomllib
+        try:
+            values = {k.replace("-", "_"): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
+        except FileNotFoundError:
+            raise LoracError(f"config file not found: {args.config}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise LoracError(f"{args.config}: not valid TOML ({e})") from None
+        known = {f.name for f in fields(TrainConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise LoracError(f"{args.config}: unknown setting(s) {', '.join(unknown)}")
+    for f in fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    if isinstance(values.get("targets"), str):
+        values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
+    return TrainConfig(**values)
+
+
+def cmd_train(args) -> int:
+    from .train import train
+    summary = train(train_config(args))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _engine_from_checkpoint(args):
+    """(Run-like objects) for eval/generate: the model and LoRA of a checkpoint, or the base model."""
+    from lorac.graphs import ModelSpec, TrainSpec
+
+    from .checkpoint import load_checkpoint
+    from .engine import Engine
+    from .model_source import resolve_model
+    lora, tcfg = None, {}
+    if args.checkpoint:
+        ck = load_checkpoint(args.checkpoint)
+        lora, tcfg = ck.lora, ck.state.get("train_config", {})
+    source = resolve_model(args.model or tcfg.get("model"))
+    config, weights, tok = source.load()
+    spec = ModelSpec.from_hf_config(config)
+    seq = args.seq or tcfg.get("seq", 128)
+    layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
+    train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
+                      lora_targets=tuple(tcfg.get("targets", ("q_proj",))), rank=tcfg.get("rank", 1),
+                      alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
+    eng = Engine(spec, train, weights, args.target, None, args.cache_dir, log=lambda m: print(m, file=sys.stderr))
+    if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
+        import numpy as np
+        lora = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
+    return eng, tok, lora
+
+
+def cmd_eval(args) -> int:
+    from .data import load_dataset
+    eng, tok, lora = _engine_from_checkpoint(args)
+    data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data)
+    total = count = 0.0
+    for b in data.eval_batches(eng.train.batch):
+        n = float((b["labels"][:, 1:] != -100).sum())
+        total += eng.eval_loss(b, lora) * n
+        count += n
+    print(json.dumps({"eval_loss": total / max(count, 1.0), "tokens": int(count)}))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .generate import generate, prompt_ids
+    eng, tok, lora = _engine_from_checkpoint(args)
+    ids = prompt_ids(tok, args.prompt, chat=not args.raw)
+    new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window)
+    print(tok.decode(new))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from . import export
+    from .checkpoint import load_checkpoint
+    from .model_source import resolve_model
+    ck = load_checkpoint(args.checkpoint)
+    tcfg = ck.state.get("train_config", {})
+    alpha, rslora = tcfg.get("alpha"), tcfg.get("rslora", False)
+    config = ck.state.get("model_config", {})
+    source = resolve_model(args.model or tcfg.get("model"))
+    if args.format == "peft":
+        path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
+                                  base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"))
+    elif args.format == "merged":
+        path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora)
+    else:
+        path = export.export_gguf(args.out, ck.lora, alpha=alpha, model_config=config)
+    print(f"exported {args.format} adapter to {path}")
+    return 0
+
+
+def cmd_compile(argv) -> int:
+    from lorac.compiler.cli import compile_command
+    return compile_command(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lorac", description="Graph-compiled LoRA training: compile once, train anywhere.")
+    sub = ap.add_subparsers(dest="command", metavar="{compile,train,eval,generate,export}")
+    sub.add_parser("compile", help="compile an ONNX graph into an artifact (lorac compile --help)", add_help=False)
+    p = sub.add_parser("train", help="fine-tune a LoRA adapter (no arguments: the bundled demo)",
+                       description="Fine-tune a LoRA adapter with LoRA+ AdamW. With no arguments: SmolLM2-135M-"
+                                   "Instruct on the bundled Jargon File corpus, on this CPU, into ./lorac-out.")
+    _add_train_flags(p)
+    p.set_defaults(func=cmd_train)
+    for name, helptext in (("eval", "loss of base model or checkpoint on a data file"),
+                           ("generate", "sample text from base model + adapter")):
+        q = sub.add_parser(name, help=helptext, description=helptext)
+        q.add_argument("--checkpoint", help="checkpoint directory (or OUT/checkpoints); omit for the base model")
+        q.add_argument("--model", help="model (default: the one the checkpoint was trained on)")
+        q.add_argument("--target", default="cpu", help="cpu or cuda (default: cpu)")
+        q.add_argument("--cache-dir", default=".lorac-cache", help="compiled-artifact cache")
+        q.add_argument("--batch", type=int, default=None, help="batch (default: the checkpoint's)")
+        q.add_argument("--seq", type=int, default=None, help="sequence length (default: the checkpoint's)")
+        if name == "eval":
+            q.add_argument("--data", required=True, help="data file to score (every document counts)")
+            q.set_defaults(func=cmd_eval)
+        else:
+            q.add_argument("--prompt", required=True, help="prompt text (wrapped in the chat template if any)")
+            q.add_argument("--raw", action="store_true", help="do not apply the chat template")
+            q.add_argument("--max-new-tokens", type=int, default=64)
+            q.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+            q.add_argument("--top-p", type=float, default=1.0)
+            q.add_argument("--seed", type=int, default=0)
+            q.add_argument("--window", type=int, default=128, help="static context window of the forward graph")
+            q.set_defaults(func=cmd_generate, batch=1)
+    q = sub.add_parser("export", help="export a checkpoint's adapter", description="Export a checkpoint's adapter: "
+                       "PEFT directory, merged HF model, or GGUF LoRA adapter for llama.cpp.")
+    q.add_argument("--checkpoint", required=True, help="checkpoint directory (or OUT/checkpoints)")
+    q.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft")
+    q.add_argument("--out", required=True, help="output directory (peft, merged) or .gguf file (gguf)")
+    q.add_argument("--model", help="base model (merged needs its HF directory; default: the checkpoint's)")
+    q.set_defaults(func=cmd_export)
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "compile":
+        return _guard(lambda: cmd_compile(argv[1:]))
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "func", None):
+        if not argv:  # `lorac` alone: the demo is `lorac train`
+            ap.print_help()
+            return 0
+        ap.error("choose a command")
+    return _guard(lambda: args.func(args))
+
+
+def _guard(fn) -> int:
+    try:
+        return fn()
+    except LoracError as e:
+        print(f"lorac: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # spec validation (lorac.graphs) raises plain ValueErrors with one line
+        print(f"lorac: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lorac: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The compiled pieces of one training setup, with the frozen weights resident on the device.
+
+    eng = Engine(spec, train, weights, target="cpu", cache_dir=".lorac-cache")
+    out = eng.step(batch, lora)           # loss + LoRA grads (device tensors)
+    new = eng.update(lora, grads, m, v, lr_a, lr_b, t)
+    eng.eval_loss(batch, lora); eng.logits(ids, lora)
+
+Each graph (training step, eval loss, optimizer, forward) is emitted by lorac.graphs and
+compiled once per (graph hash, target, dtype): a second run, or a resumed one, reuses the
+artifact from the cache folder without importing the compiler. Frozen weights are uploaded
+once and passed to every call as device tensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .artifact import load_artifact
+from .errors import LoracError
+
+DEVICE_OF = {"cpu": "cpu", "cuda": "cuda"}
+
+
+def graph_hash(model) -> str:
+    return hashlib.sha256(model.SerializeToString()).hexdigest()
+
+
+def compiled(model, kind: str, target: str, dtype: str, cache_dir, log=None):
+    """Path of the artifact for `model`, compiling it into the cache when missing."""
+    sha = graph_hash(model)
+    art = Path(cache_dir) / f"{kind}-{target}-{dtype}-{sha[:16]}"
+    if (art / "manifest.json").is_file():
+        return art, sha
+    from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
+    t0 = time.perf_counter()
+    if log:
+        log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes) ...")
+    compile_graph(model, target=target, out_dir=art, dtype=dtype)
+    if log:
+        log(f"compiled the {kind} graph in {time.perf_counter() - t0:.1f} s -> {art}")
+    return art, sha
+
+
+class Engine:
+    def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
+                 cache_dir=".lorac-cache", optim_cfg=None, log=None):
+        from lorac.graphs import build_training_graph, lora_tensor_names
+        if target not in DEVICE_OF:
+            raise LoracError(f"lorac runs on cpu or cuda; compile other targets with `lorac compile` (got {target!r})")
+        self.spec, self.train, self.target = spec, train, target
+        self.device = DEVICE_OF[target]
+        self.dtype = dtype or ("bfloat16" if target == "cuda" else "float32")
+        self.cache_dir, self.log = Path(cache_dir), log or (lambda msg: print(msg, file=sys.stderr))
+        self.names = lora_tensor_names(spec, train)
+        self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
+        self.optim_cfg = optim_cfg
+        self.graph_hash = graph_hash(build_training_graph(spec, train))
+        self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
+        self._weights = None
+        self._arts: dict = {}
+
+    def _artifact(self, kind: str, build=None):
+        """The loaded artifact of graph `kind`, compiled on first use."""
+        if kind not in self._arts:
+            from lorac.graphs import build_eval_graph, build_training_graph
+            model = build() if build else {"train": build_training_graph, "eval": build_eval_graph}[kind](
+                self.spec, self.train)
+            dtype = "float32" if kind == "adamw" else self.dtype
+            art, _ = compiled(model, kind.split(":")[0], self.target, dtype, self.cache_dir, self.log)
+            self._arts[kind] = load_artifact(art, self.device)
+            if self._weights is None and kind != "adamw":
+                self._weights = self._upload(self._arts[kind], self._host_weights)
+                self._host_weights = None  # the device holds them now
+        return self._arts[kind]
+
+    # -- device residency ---------------------------------------------------------------
+    def _upload(self, step, tensors: dict) -> dict:
+        """Device copies of the tensors `step` takes (dtype converted per its manifest)."""
+        specs = {i["name"]: i for i in step.inputs}
+        missing = [n for n in specs if n not in tensors and n not in ("input_ids", "labels")
+                   and ".lora_" not in n]
+        if missing:
+            raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
+        return {n: step.upload(specs[n], a) for n, a in tensors.items() if n in specs}
+
+    def lora_to_device(self, lora: dict) -> dict:
+        step = self._artifact("train")
+        specs = {i["name"]: i for i in step.inputs}
+        return {n: step.upload(specs[n], a) for n, a in lora.items()}
+
+    # -- the compiled calls -------------------------------------------------------------
+    def step(self, batch: dict, lora: dict) -> dict:
+        """Loss and gradients (device tensors; `loss` as a float)."""
+        out = self._artifact("train")({**self._weights, **lora, **batch}, as_numpy=False)
+        out["loss"] = float(out["loss"].numpy())
+        return out
+
+    def eval_loss(self, batch: dict, lora: dict) -> float:
+        step = self._artifact("eval")
+        return float(step({**self._weights, **lora, **batch}, as_numpy=False)["loss"].numpy())
+
+    def update(self, lora: dict, grads: dict, m: dict, v: dict, lr_a: float, lr_b: float, t: int):
+        """One LoRA+ AdamW step on the device -> (lora, m, v, grad_norm, skipped)."""
+        from lorac.graphs.optimizer import build_optimizer_graph
+        opt = self._artifact("adamw", lambda: build_optimizer_graph(self.shapes, self.optim_cfg))
+        feeds = {**lora, **{f"{n}.grad": grads[f"{n}.grad"] for n in self.names},
+                 **{f"{n}.m": m[n] for n in self.names}, **{f"{n}.v": v[n] for n in self.names},
+                 "lr_a": np.float32(lr_a), "lr_b": np.float32(lr_b), "step": np.float32(t)}
+        out = opt(feeds, as_numpy=False)
+        new = lambda suffix: {n: out[f"{n}{suffix}"] for n in self.names}
+        return (new(".new"), new(".m.new"), new(".v.new"), float(out["grad_norm"].numpy()),
+                bool(float(out["skipped"].numpy())))
+
+    def logits(self, ids: np.ndarray, lora: dict) -> np.ndarray:
+        """Logits [B', S', V] of a forward graph compiled for ids' shape (cached per shape)."""
+        from lorac.graphs import TrainSpec, build_forward_graph
+        t = self.train
+        fwd = TrainSpec(batch=ids.shape[0], seq=ids.shape[1], lora_targets=t.lora_targets, rank=t.rank,
+                        alpha=t.alpha, rslora=t.rslora, trained_layers=t.trained_layers)
+        step = self._artifact(f"forward:{ids.shape}", lambda: build_forward_graph(self.spec, fwd))
+        # the forward artifact takes the frozen weights in the same dtypes: share the device copies
+        return step({**self._weights, **lora, "input_ids": ids})["logits"]
+
+
+def _lora_shape(spec, train, name: str) -> tuple[int, int]:
+    target = name.split(".lora_")[0].rsplit(".", 1)[1]
+    out, inp = spec.proj_shape(target)
+    return (train.rank, inp) if ".lora_A." in name else (out, train.rank)
+
+
+def to_numpy(tensors: dict) -> dict:
+    return {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in tensors.items()}

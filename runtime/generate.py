@@ -1,0 +1,60 @@
+"""Sampling from base + adapter with a compiled forward graph (greedy, temperature, top-p).
+
+The forward graph has a static shape [1, W]: the context is right-padded to W (causal
+attention makes the padding invisible to earlier positions) and the logits at the last real
+position give the next token. No KV cache: each token reruns the window, which is fine for
+demos and evaluation samples; longer contexts slide the window.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import LoracError
+
+
+def sample_token(logits: np.ndarray, rng, temperature: float, top_p: float) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = (logits - logits.max()) / temperature
+    p = np.exp(z)
+    p /= p.sum()
+    if top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p
+        order = np.argsort(-p)
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, window: int = 128) -> list[int]:
+    """New token ids after `prompt_ids` (stops at EOS)."""
+    if max_new_tokens < 1 or window < 2:
+        raise LoracError("max_new_tokens must be >= 1 and the window >= 2")
+    if not 0 < top_p <= 1 or not np.isfinite(temperature) or temperature < 0:
+        raise LoracError(f"top_p must lie in (0, 1] and temperature be >= 0, got {top_p}, {temperature}")
+    rng = np.random.default_rng(seed)
+    ctx = [int(t) for t in prompt_ids]
+    if not ctx:
+        raise LoracError("empty prompt")
+    new = []
+    for _ in range(max_new_tokens):
+        view = ctx[-window:]
+        ids = np.full((1, window), tokenizer.eos_id, np.int64)
+        ids[0, : len(view)] = view
+        logits = engine.logits(ids, lora)[0, len(view) - 1]
+        tok = sample_token(logits.astype(np.float64), rng, temperature, top_p)
+        if tok == tokenizer.eos_id:
+            break
+        ctx.append(tok)
+        new.append(tok)
+    return new
+
+
+def prompt_ids(tokenizer, text: str, chat: bool = True) -> np.ndarray:
+    """Token ids of a user prompt, wrapped in the chat template where the model has one."""
+    if chat and tokenizer.chat_template:
+        text = tokenizer.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.encode(text, add_bos=False)
+    return tokenizer.encode(text)

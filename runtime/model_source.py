@@ -1,0 +1,33 @@
+"""Where a run's base model comes from: an HF directory, a .gguf file, or the bundled default."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LoracError
+
+@dataclass
+class ModelSource:
+    path: Path
+    name: str  # what adapters record as base_model_name_or_path
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.path})"
+
+    def load(self):
+        """(HF config dict, frozen weights by HF name, Tokenizer)."""
+        from .tokenizer import load_tokenizer
+        from .weights import load_model
+        config, weights = load_model(self.path)
+        return config, weights, load_tokenizer(self.path)
+
+
+def resolve_model(path: str | None) -> ModelSource:
+    if path is None:
+        from .default_model import default_gguf_path
+        return ModelSource(Path(default_gguf_path()), "HuggingFaceTB/SmolLM2-135M-Instruct")
+    p = Path(path)
+    if not p.exists():
+        raise LoracError(f"model not found: {path}")
+    return ModelSource(p, os.path.abspath(p))

@@ -1,0 +1,293 @@
+"""The training loop: model + data + compiled step -> a trained LoRA adapter.
+
+Reads top to bottom: load the model and data, compile (or reuse) the graphs, initialise or
+resume, then step / log / eval / checkpoint, and finally export the adapter. One JSON line
+per step and per eval goes to OUT/metrics.jsonl; a progress line goes to the terminal.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import LoracError
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class TrainConfig:
+    model: str | None = None  # HF directory or .gguf file; None: the bundled SmolLM2-135M-Instruct
+    data: str | None = None  # text / JSONL / chat JSONL; None: the bundled Jargon File Q&A corpus
+    eval_data: str | None = None  # held-out file; None: every 1/eval_fraction-th document of --data
+    out: str = "lorac-out"
+    steps: int = 40
+    batch: int = 4
+    seq: int = 128
+    rank: int = 16
+    alpha: float = 32.0  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
+    rslora: bool = False
+    targets: tuple[str, ...] = ALL_TARGETS  # all linear layers: what LoRA+ and QLoRA studies train
+    trained_layers: str | None = None  # "A:B" adapts layers A..B-1 only (frozen prefix below A)
+    lr: float = 2e-4  # lr of the A matrices; B gets lr * loraplus_ratio
+    loraplus_ratio: float = 16.0
+    warmup: int = 4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum: int = 1
+    target: str = "cpu"
+    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    checkpointing: bool = False
+    loss_chunk: int = 0
+    eval_every: int = 10
+    eval_batches: int = 4
+    save_every: int = 20
+    keep_checkpoints: int = 2
+    seed: int = 0
+    resume: str | None = None
+    cache_dir: str = ".lorac-cache"
+    eval_fraction: float = 0.05
+    sample_prompt: str | None = None  # generated before/after training; None: one from the eval data
+    sample_tokens: int = 32
+    extra: dict = field(default_factory=dict)
+
+    def validate(self):
+        for key in ("steps", "batch", "seq", "rank", "grad_accum", "eval_every", "save_every", "eval_batches"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "eval_batches" else 1):
+                raise LoracError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
+        for key in ("lr", "alpha", "loraplus_ratio", "weight_decay", "max_grad_norm", "eval_fraction"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise LoracError(f"--{key.replace('_', '-')} must be a finite number, got {v!r}")
+        if self.lr <= 0 or self.alpha <= 0 or self.loraplus_ratio <= 0:
+            raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
+        if not 0 <= self.eval_fraction < 1:
+            raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+
+    def layer_range(self, n_layers: int):
+        if not self.trained_layers:
+            return None
+        try:
+            lo, hi = (int(x) if x else d for x, d in zip(self.trained_layers.split(":"), (0, n_layers)))
+        except ValueError:
+            raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30), got {self.trained_layers!r}") from None
+        return range(lo, hi)
+
+
+def kaiming_uniform_a(rng, shape) -> np.ndarray:
+    """PEFT's lora_A init, kaiming_uniform_(a=sqrt(5)): bound = sqrt(6/((1+a^2) fan_in)) = 1/sqrt(fan_in)."""
+    bound = 1.0 / math.sqrt(shape[1])
+    return rng.uniform(-bound, bound, size=shape).astype(np.float32)
+
+
+def init_lora(shapes: dict, rng) -> dict:
+    return {n: kaiming_uniform_a(rng, s) if ".lora_A." in n else np.zeros(s, np.float32) for n, s in shapes.items()}
+
+
+class Run:
+    """Everything a training run holds: model, data, engine, LoRA and optimizer state."""
+
+    def __init__(self, cfg: TrainConfig, log=None):
+        from lorac.graphs import ModelSpec, TrainSpec
+
+        from .data import load_dataset
+        from .model_source import resolve_model
+        from .optim import LoraPlusConfig
+
+        cfg.validate()
+        self.cfg, self.log = cfg, log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.source = resolve_model(cfg.model)
+        self.log(f"model: {self.source.describe()}")
+        self.model_config, weights, self.tokenizer = self.source.load()
+        self.spec = ModelSpec.from_hf_config(self.model_config)
+        self.train_spec = TrainSpec(batch=cfg.batch, seq=cfg.seq, lora_targets=tuple(cfg.targets), rank=cfg.rank,
+                                    alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
+                                    checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk)
+        self.train_spec.validate(self.spec)
+        data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
+        self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
+                                 eval_path=eval_path)
+        self.eval_path = eval_path
+        self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
+        self.optim_cfg = LoraPlusConfig(lr=cfg.lr, loraplus_ratio=cfg.loraplus_ratio, weight_decay=cfg.weight_decay,
+                                        max_grad_norm=cfg.max_grad_norm, warmup_steps=cfg.warmup, total_steps=cfg.steps)
+        from .engine import Engine
+        self.engine = Engine(self.spec, self.train_spec, weights, cfg.target, cfg.dtype, cfg.cache_dir,
+                             self.optim_cfg, self.log)
+        del weights  # the device holds them now
+        self.model_hash = _model_hash(self.model_config)
+
+    # -- state ------------------------------------------------------------------------------
+    def fresh_state(self):
+        rng = np.random.default_rng(self.cfg.seed)
+        lora = init_lora(self.engine.shapes, rng)
+        zeros = {n: np.zeros(s, np.float32) for n, s in self.engine.shapes.items()}
+        return dict(step=0, updates=0, skipped=0, lora=lora, m=zeros, v=dict(zeros), data=None, rng=rng)
+
+    def resume_state(self, path):
+        from .checkpoint import load_checkpoint, rng_from_state
+        ck = load_checkpoint(path, model_hash=self.model_hash, graph_hash=self.engine.graph_hash)
+        s = ck.state
+        if set(ck.lora) != set(self.engine.names):
+            raise LoracError(f"checkpoint {ck.path} holds other LoRA tensors than this run trains")
+        return dict(step=ck.step, updates=s["updates"], skipped=s["skipped"], lora=ck.lora, m=ck.m, v=ck.v,
+                    data=s["data"], rng=rng_from_state(s["rng"]))
+
+    def save(self, st: dict, lora, m, v, batches) -> Path:
+        from .checkpoint import rng_state, save_checkpoint
+        from .engine import to_numpy
+        state = dict(updates=st["updates"], skipped=st["skipped"], data=batches.state(), rng=rng_state(st["rng"]),
+                     model_hash=self.model_hash, graph_hash=self.engine.graph_hash,
+                     train_config=_jsonable(asdict(self.cfg)), model_config=self.model_config)
+        return save_checkpoint(Path(self.cfg.out) / "checkpoints", st["step"], to_numpy(lora), to_numpy(m),
+                               to_numpy(v), state, keep=self.cfg.keep_checkpoints)
+
+    def evaluate(self, lora) -> float:
+        """Mean loss over the first `eval_batches` eval batches (token-weighted)."""
+        total = count = 0.0
+        for i, b in enumerate(self.data.eval_batches(self.cfg.batch)):
+            if i >= self.cfg.eval_batches:
+                break
+            n = float(np.sum(b["labels"][:, 1:] != -100))
+            total += self.engine.eval_loss(b, lora) * n
+            count += n
+        return total / max(count, 1.0)
+
+
+def default_corpus() -> tuple[str, str]:
+    from .default_model import default_corpus as files
+    return files()
+
+
+def sample_prompt(cfg: TrainConfig, eval_path) -> str | None:
+    """The before/after sample's prompt: --sample-prompt, else the first user turn or prompt of
+    the eval file (JSONL), else none."""
+    if cfg.sample_prompt:
+        return cfg.sample_prompt
+    if not eval_path or not str(eval_path).endswith(".jsonl"):
+        return None
+    with open(eval_path) as f:
+        rec = json.loads(f.readline() or "{}")
+    if "prompt" in rec:
+        return rec["prompt"]
+    users = [m["content"] for m in rec.get("messages", []) if m.get("role") == "user"]
+    return users[0] if users else None
+
+
+def show_sample(run, lora, label: str) -> str | None:
+    from .generate import generate, prompt_ids
+    prompt = sample_prompt(run.cfg, run.eval_path)
+    if not prompt or run.cfg.sample_tokens <= 0:
+        return None
+    tok = run.tokenizer
+    ids = prompt_ids(tok, prompt)
+    text = tok.decode(generate(run.engine, tok, ids, lora, run.cfg.sample_tokens, window=_window(len(ids), run.cfg)))
+    run.log(f"--- sample ({label}) ---\n> {prompt}\n{text}\n---")
+    return text
+
+
+def _window(n_prompt: int, cfg: TrainConfig) -> int:
+    """Forward-graph window for a sample: prompt plus new tokens, rounded up to 32."""
+    return -(-(n_prompt + cfg.sample_tokens) // 32) * 32
+
+
+def _model_hash(config: dict) -> str:
+    from .checkpoint import config_hash
+    return config_hash({k: v for k, v in config.items() if not k.startswith("_")})
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def train(cfg: TrainConfig, log=None) -> dict:
+    """Run the whole job; returns a summary dict (also written to OUT/summary.json)."""
+    from .engine import to_numpy
+    from .optim import group_lrs
+
+    run = Run(cfg, log)
+    log = run.log
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    st = run.resume_state(cfg.resume) if cfg.resume else run.fresh_state()
+    batches = run.data.batches(cfg.batch, seed=cfg.seed, state=st["data"])
+    eng = run.engine
+    lora = eng.lora_to_device(st["lora"])
+    m, v = eng.lora_to_device(st["m"]), eng.lora_to_device(st["v"])
+    metrics = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
+
+    def emit(rec):
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the step, save, exit
+    first_eval = run.evaluate(lora) if cfg.eval_batches else float("nan")
+    if not cfg.resume:
+        emit(dict(step=st["step"], eval_loss=first_eval))
+    log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
+    base_sample = show_sample(run, lora, "base model") if not cfg.resume else None
+    tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
+    t_start = time.perf_counter()
+    start_step = st["step"]
+    while st["step"] < cfg.steps and not stop["now"]:
+        t0 = time.perf_counter()
+        st["step"] += 1
+        lr_a, lr_b = group_lrs(st["updates"] + 1, run.optim_cfg)
+        # forward + backward over grad_accum micro-batches; gradients averaged
+        loss, grads = 0.0, None
+        for _ in range(cfg.grad_accum):
+            res = eng.step(next(batches), lora)
+            loss += res.pop("loss") / cfg.grad_accum
+            if cfg.grad_accum == 1:
+                grads = res
+            else:  # summed on the host: the single-micro-batch path keeps gradients on the device
+                part = to_numpy(res)
+                grads = part if grads is None else {k: grads[k] + part[k] for k in grads}
+        if cfg.grad_accum > 1:
+            grads = {k: g / cfg.grad_accum for k, g in grads.items()}
+        new_lora, new_m, new_v, gnorm, skipped = eng.update(lora, grads, m, v, lr_a, lr_b, st["updates"] + 1)
+        if skipped or not math.isfinite(loss):
+            st["skipped"] += 1  # a non-finite loss or gradient is never applied
+            log(f"step {st['step']}: non-finite loss/gradient (loss {loss}, grad norm {gnorm}); step skipped "
+                f"({st['skipped']} so far)")
+        else:
+            lora, m, v = new_lora, new_m, new_v
+            st["updates"] += 1
+        dt = time.perf_counter() - t0
+        done = st["step"] - start_step
+        eta = (time.perf_counter() - t_start) / done * (cfg.steps - st["step"])
+        emit(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
+                  tokens_per_s=tokens_per_step / dt, step_s=dt))
+        log(f"step {st['step']:5d}/{cfg.steps} | loss {loss:.4f} | lr {lr_a:.2e} | gnorm {gnorm:.3f} | "
+            f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.0f} ms | eta {eta:5.0f} s")
+        if cfg.eval_batches and (st["step"] % cfg.eval_every == 0 or st["step"] == cfg.steps):
+            ev = run.evaluate(lora)
+            emit(dict(step=st["step"], eval_loss=ev))
+            log(f"eval loss after step {st['step']}: {ev:.4f}")
+        if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
+            path = run.save(st, lora, m, v, batches)
+            log(f"checkpoint: {path}")
+    metrics.close()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    final_eval = run.evaluate(lora) if cfg.eval_batches else float("nan")
+    log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
+    summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
+                   eval_loss_after=final_eval, interrupted=stop["now"], sample_base=base_sample,
+                   sample_adapted=show_sample(run, lora, "adapted") if not stop["now"] else None)
+    if not stop["now"]:
+        from .export import export_peft
+        from .plot import plot_metrics
+        adapter = export_peft(out / "adapter", to_numpy(lora), alpha=cfg.alpha, use_rslora=cfg.rslora,
+                              base_model_name_or_path=run.source.name, num_hidden_layers=run.spec.layers)
+        summary["adapter"] = str(adapter)
+        summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

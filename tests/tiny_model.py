@@ -1,0 +1,50 @@
+"""A tiny random HF model directory (config, safetensors, char-level tokenizer, ChatML template)
+and a small learnable corpus, for end-to-end tests that must not touch a hub."""
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def char_tokenizer_json(path: Path) -> int:
+    """A WordLevel tokenizer over single characters; returns the vocab size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+    vocab = {c: i for i, c in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(path))
+    return len(vocab)
+
+
+def make_model_dir(root: Path, arch: str = "qwen3", layers: int = 2, seed: int = 0, **over) -> Path:
+    import torch
+    import transformers
+    from oracles import HF_CLASSES
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = char_tokenizer_json(root / "tokenizer.json")
+    cfg = dict(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=12, tie_word_embeddings=True,
+               eos_token_id=1, bos_token_id=None, max_position_embeddings=512)
+    cfg.update(over)
+    conf_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[arch])
+    torch.manual_seed(seed)
+    model = model_cls(conf_cls(**cfg)).float()
+    model.save_pretrained(root, safe_serialization=True)
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": CHATML, "add_bos_token": False}))
+    return root
+
+
+def make_corpus(path: Path, n: int = 200) -> Path:
+    """Repetitive text a tiny model learns in a few dozen steps."""
+    lines = [f"the {c} cat sat on the {m} mat.\n\n" for c, m in zip(["red", "big", "old", "sly"] * n, ["blue", "flat", "new"] * n)]
+    Path(path).write_text("".join(lines[:n]))
+    return Path(path)
