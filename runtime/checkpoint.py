@@ -101,12 +101,14 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(root, step: int, lora: dict[str, np.ndarray], m: dict[str, np.ndarray],
-                    v: dict[str, np.ndarray], state: dict | None = None, keep: int = 3) -> Path:
+                    v: dict[str, np.ndarray], state: dict | None = None, keep: int = 3, *,
+                    model_hash: str | None = None, graph_hash: str | None = None) -> Path:
     """Write checkpoint `step` under `root` atomically, point `latest` at it, prune to `keep`.
 
-    `state` holds what the loop needs to resume (JSON-able): e.g. {"rng": rng_state(rng),
-    "data": {...iterator position...}, "train_config": {...}, "model_hash": ..., "graph_hash": ...}.
-    Returns the checkpoint directory.
+    `state` holds what the loop needs to resume (JSON-able), stored at the top level of
+    state.json: e.g. {"rng": rng_state(rng), "data": {...iterator position...},
+    "train_config": {...}}. `model_hash` (config_hash of the model config) and `graph_hash`
+    (the artifact's) are what load_checkpoint checks. Returns the checkpoint directory.
     """
     from lorac import __version__
     root = Path(root)
@@ -126,6 +128,8 @@ def save_checkpoint(root, step: int, lora: dict[str, np.ndarray], m: dict[str, n
     optim = {f"{k}.m": x for k, x in _f32(m).items()} | {f"{k}.v": x for k, x in _f32(v).items()}
     save_file(optim, str(tmp / "optim.safetensors"))
     meta = {"format": FORMAT, "lorac_version": __version__, "step": int(step), **(state or {}),
+            **({"model_hash": model_hash} if model_hash is not None else {}),
+            **({"graph_hash": graph_hash} if graph_hash is not None else {}),
             "files": {f: _sha256(tmp / f) for f in ("lora.safetensors", "optim.safetensors")}}
     (tmp / "state.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
     for f in ("lora.safetensors", "optim.safetensors", "state.json"):

@@ -32,6 +32,8 @@ GGUF_TENSOR = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
 # half-split RoPE layout to GGML's interleaved one; its Qwen2/Qwen3 classes do not.
 GGUF_ARCH = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
              "Qwen2ForCausalLM": ("qwen2", False), "Qwen3ForCausalLM": ("qwen3", False)}
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}  # for configs without "architectures"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
@@ -208,7 +210,7 @@ def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_co
     """
     import gguf  # the gguf package (a lorac dependency); imported here to keep startup light
 
-    arch_name = (model_config.get("architectures") or ["?"])[0]
+    arch_name = (model_config.get("architectures") or [_BY_MODEL_TYPE.get(model_config.get("model_type"), "?")])[0]
     if arch_name not in GGUF_ARCH:
         raise LoracError(f"GGUF export supports {', '.join(GGUF_ARCH)}; the model is {arch_name}")
     arch, permute = GGUF_ARCH[arch_name]

@@ -59,7 +59,7 @@ def test_clear_errors(tmp_path):
         load_checkpoint(tmp_path / "nope")
     with pytest.raises(LoracError, match="not a lorac checkpoint"):
         load_checkpoint(tmp_path)
-    d = save_checkpoint(tmp_path / "a", 1, *tensors(1), {"model_hash": "1" * 64})
+    d = save_checkpoint(tmp_path / "a", 1, *tensors(1), model_hash="1" * 64, graph_hash="g")
     with pytest.raises(LoracError, match="another model"):
         load_checkpoint(d, model_hash="2" * 64)
     with pytest.raises(LoracError, match="another training graph"):

@@ -178,3 +178,11 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
         export_gguf(tmp_path / "x.gguf", lora, alpha=1, model_config={"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(LoracError, match="no config.json"):
         export_merged(tmp_path / "m", tmp_path, lora, alpha=1)
+
+
+def test_permutation_is_inverted_by_the_gguf_loader():
+    """lorac's GGUF reader undoes llama.cpp's q/k order; export must redo exactly that."""
+    gguf_model = pytest.importorskip("lorac.runtime.gguf_model")
+    b = np.random.default_rng(0).standard_normal((24, 3)).astype(np.float32)
+    for heads in (1, 2, 3, 6):
+        assert np.array_equal(gguf_model.unpermute_qk(llama_qk_permute(b, heads), heads), b)
