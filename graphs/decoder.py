@@ -21,6 +21,7 @@ from .loss import logits_forward, loss_and_grad, loss_only
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
+from .mamba_spec import MambaSpec
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
 
 
@@ -159,6 +160,9 @@ def build_training_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> 
     `dtype` is the float type of every weight and activation: float32 for training (the
     compiler lowers GEMMs to bf16 on GPUs), float64 for finite-difference checks.
     """
+    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
+        from . import mamba
+        return mamba.build_training_graph(spec, train, dtype)
     train.validate(spec)
     g = GraphBuilder(f"lorac_train_{spec.arch}", _float(dtype))
     B, S = train.batch, train.seq
@@ -198,6 +202,9 @@ def build_training_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> 
 
 def build_forward_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
     """Logits [B, S, V] of base + adapter (eval and generation); same inputs minus labels."""
+    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
+        from . import mamba
+        return mamba.build_forward_graph(spec, train, dtype)
     g, hN, head = _forward_only(spec, train, dtype, "forward")
     B, S = train.batch, train.seq
     g.output(g.reshape(logits_forward(g, hN, head), B, S, spec.vocab), "logits")
@@ -206,6 +213,9 @@ def build_forward_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> o
 
 def build_eval_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
     """The training graph's loss without any backward node (eval loss; autodiff oracles)."""
+    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
+        from . import mamba
+        return mamba.build_eval_graph(spec, train, dtype)
     g, hN, head = _forward_only(spec, train, dtype, "eval")
     labels = g.input("labels", [train.batch, train.seq], INT64)
     g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk)), "loss")
@@ -229,6 +239,9 @@ def _forward_only(spec, train, dtype, kind):
 
 def lora_tensor_names(spec: ModelSpec, train: TrainSpec) -> list[str]:
     """Every LoRA tensor of the graph in output order: by layer, target, then A before B."""
+    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
+        from . import mamba
+        return mamba.lora_tensor_names(spec, train)
     return [lora_name(i, t, w) for i in train.layers(spec) for t in ALL_TARGETS if t in train.lora_targets
             for w in ("A", "B")]
 

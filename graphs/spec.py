@@ -57,6 +57,9 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
         arch = cfg.get("model_type")
+        if arch == "mamba":  # the selective state-space family has its own spec (graphs/mamba_spec.py)
+            from .mamba_spec import MambaSpec
+            return MambaSpec.from_hf_config(cfg)
         if arch not in DECODER_ARCHS:
             raise ValueError(f"unsupported architecture model_type={arch!r}; lorac supports {', '.join(DECODER_ARCHS)}")
         _refuse_unsupported(cfg, arch)
@@ -144,7 +147,7 @@ class TrainSpec:
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"alpha must be a finite positive number, got {self.alpha}")
         if not self.lora_targets:
-            raise ValueError(f"lora_targets is empty; valid targets: {', '.join(ALL_TARGETS)}")
+            raise ValueError(f"lora_targets is empty; valid targets: {', '.join(spec.targets)}")
         bad = [t for t in self.lora_targets if t not in spec.targets]
         if bad:
             raise ValueError(f"LoRA target(s) {', '.join(bad)} not in a {spec.arch} model; valid targets: {', '.join(spec.targets)}")

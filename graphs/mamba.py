@@ -1,0 +1,246 @@
+"""Mamba-1 (HF `MambaForCausalLM`): one ONNX graph for the loss and every LoRA gradient.
+
+Shape legend: B batch, S seq, N = B*S tokens, D hidden, I intermediate, M state size,
+R dt rank, K conv kernel, V vocab, r LoRA rank.
+
+One layer (HF MambaBlock + MambaMixer, slow path):
+    h = rmsnorm(x);  [xs | z] = in_proj(h)                       [N, 2I]
+    u = silu(conv1d(xs) + conv_bias)                              [B, S, I]
+    [dtr | Bm | Cm] = x_proj(u);  dt = softplus(dt_proj(dtr) + dt_bias)
+    y = scan(u, dt, A = -exp(A_log), Bm, Cm) + D u                (graphs/scan.py)
+    x_out = x + out_proj(y * silu(z))
+then norm_f, the (tied) head and the masked CE of graphs/loss.py. LoRA (graphs/linear.py)
+on in_proj, x_proj, dt_proj, out_proj. Emission order, the frozen prefix and activation
+checkpointing (recompute a layer's forward from its kept input) are those of decoder.py.
+The scan chunk length is `train.extra["scan_chunk"]` (default DEFAULT_CHUNK; docs/MAMBA.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from .builder import INT64, GraphBuilder
+from .conv import conv_backward, conv_forward
+from .decoder import _embed, _float
+from .linear import Proj, linear_backward, linear_forward
+from .loss import logits_forward, loss_and_grad, loss_only
+from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
+from .mlp import swiglu_backward, swiglu_forward
+from .norm import rmsnorm_backward, rmsnorm_forward
+from .scan import ScanDims, scan_backward, scan_forward
+from .spec import TrainSpec
+
+DEFAULT_CHUNK = 8  # FLOPs and transient memory of the scan grow with L, graph size with S / L
+_DEPTH = {"out_proj": 0, "dt_proj": 1, "x_proj": 2, "in_proj": 3}  # how far down a backward must reach
+
+
+@dataclass
+class MambaLayer:
+    """Graph values of one layer's weights."""
+    idx: int
+    norm: object
+    conv_w: object
+    conv_b: object
+    a_log: object
+    d: object
+    proj: dict  # target -> Proj
+
+
+def scan_chunk(spec: MambaSpec, train: TrainSpec) -> int:
+    L = train.extra.get("scan_chunk", DEFAULT_CHUNK)
+    if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+        raise ValueError(f"scan_chunk must be a positive integer, got {L!r}")
+    return min(L, train.seq)
+
+
+class Ctx:
+    def __init__(self, g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
+        self.g, self.spec, self.train = g, spec, train
+        self.scan = ScanDims(train.batch, train.seq, spec.intermediate, spec.state, scan_chunk(spec, train))
+
+
+def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
+    """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
+    D, I, M, K = spec.hidden, spec.intermediate, spec.state, spec.conv_kernel
+    embed = g.input("backbone.embeddings.weight", [spec.vocab, D])
+    trained = set(train.layers(spec))
+    layers = []
+    for i in range(spec.layers):
+        w = lambda part, shape: g.input(weight_name(i, part), shape)
+        L = MambaLayer(i, g.input(f"backbone.layers.{i}.norm.weight", [D]), w("conv1d.weight", [I, 1, K]),
+                       w("conv1d.bias", [I]) if spec.conv_bias else None, w("A_log", [I, M]), w("D", [I]), {})
+        for t in MAMBA_TARGETS:
+            out, inp = spec.proj_shape(t)
+            p = Proj(w(f"{t}.weight", [out, inp]))
+            if t == "dt_proj" or (spec.use_bias and t in ("in_proj", "out_proj")):
+                p.bias = w(f"{t}.bias", [out])
+            if i in trained and t in train.lora_targets:
+                p.a = g.input(lora_name(i, t, "A"), [train.rank, inp])
+                p.b = g.input(lora_name(i, t, "B"), [out, train.rank])
+                p.scale = train.scale
+            L.proj[t] = p
+        layers.append(L)
+    final_norm = g.input("backbone.norm_f.weight", [D])
+    head = embed if spec.tied else g.input("lm_head.weight", [spec.vocab, D])
+    return embed, layers, final_norm, head
+
+
+def silu_forward(g, x):
+    # silu(x) = x sigmoid(x); keep sigmoid(x) for the backward
+    sig = g.op("Sigmoid", x)
+    return g.op("Mul", x, sig), sig
+
+
+def silu_backward(g, dy, x, sig):
+    # d silu/dx = sig + x sig (1 - sig) = sig (1 + x (1 - sig))
+    one = g.f(1.0)
+    return g.op("Mul", dy, g.op("Mul", sig, g.op("Add", one, g.op("Mul", x, g.op("Sub", one, sig)))))
+
+
+def layer_forward(c: Ctx, x, L: MambaLayer):
+    """x [N, D] -> (x_out [N, D], saved)."""
+    g, sp, d = c.g, c.spec, c.scan
+    B, S, I, M, R = d.batch, d.seq, sp.intermediate, sp.state, sp.dt_rank
+    N = B * S
+    h, nrm = rmsnorm_forward(g, x, L.norm, sp.rms_eps)
+    xz, u_in = linear_forward(g, h, L.proj["in_proj"])
+    z = g.slice(xz, I, 2 * I, 1)  # [N, I]
+    xc = conv_forward(g, g.reshape(g.slice(xz, 0, I, 1), B, S, I), L.conv_w, L.conv_b, S, I, sp.conv_kernel)
+    u, sig = silu_forward(g, xc)  # [B, S, I]
+    u2 = g.reshape(u, N, I)
+    dbc, u_x = linear_forward(g, u2, L.proj["x_proj"])  # [N, R + 2M]
+    dtr = g.slice(dbc, 0, R, 1)
+    Bm = g.reshape(g.slice(dbc, R, R + M, 1), B, S, M)
+    Cm = g.reshape(g.slice(dbc, R + M, R + 2 * M, 1), B, S, M)
+    dtp, u_dt = linear_forward(g, dtr, L.proj["dt_proj"])  # [N, I], dt_proj's bias included
+    dt = g.reshape(g.op("Softplus", dtp), B, S, I)
+    A = g.op("Neg", g.op("Exp", L.a_log))  # [I, M], < 0
+    y, h0 = scan_forward(g, u, dt, A, Bm, Cm, L.d, d)
+    y2 = g.reshape(y, N, I)
+    gated, sg = swiglu_forward(g, z, y2)  # silu(z) * y
+    o, u_out = linear_forward(g, gated, L.proj["out_proj"])
+    saved = dict(h=h, nrm=nrm, z=z, xc=xc, sig=sig, u=u, u2=u2, dtr=dtr, Bm=Bm, Cm=Cm, dtp=dtp, dt=dt, A=A,
+                 h0=h0, y2=y2, sg=sg, gated=gated,
+                 lora=dict(in_proj=u_in, x_proj=u_x, dt_proj=u_dt, out_proj=u_out))
+    return g.op("Add", x, o), saved
+
+
+def layer_backward(c: Ctx, dy, L: MambaLayer, s: dict, need_dx: bool, grads: dict):
+    """dy = dLoss/d x_out [N, D] -> dLoss/d x_in (None if not needed); LoRA grads into `grads`.
+
+    Without need_dx (lowest trained layer) the backward stops at the deepest adapted projection.
+    """
+    g, sp, d = c.g, c.spec, c.scan
+    B, S, I, M = d.batch, d.seq, sp.intermediate, sp.state
+    N = B * S
+    depth = 4 if need_dx else max(_DEPTH[t] for t, p in L.proj.items() if p.a is not None)
+
+    def proj_back(dout, x, t, want_dx):
+        dx, da, db = linear_backward(g, dout, x, s["lora"][t], L.proj[t], want_dx)
+        if da is not None:
+            grads[lora_name(L.idx, t, "A")] = da
+            grads[lora_name(L.idx, t, "B")] = db
+        return dx
+
+    # x_out = x + out_proj(silu(z) y)
+    dgated = proj_back(dy, s["gated"], "out_proj", depth >= 1)
+    if depth < 1:
+        return None
+    dz, dy2 = swiglu_backward(g, dgated, s["z"], s["y2"], s["sg"])
+    du, ddt, dBm, dCm = scan_backward(g, g.reshape(dy2, B, S, I), s["u"], s["dt"], s["A"], s["Bm"], s["Cm"], L.d,
+                                      s["h0"], d)
+    # dt = softplus(dtp): softplus' = sigmoid
+    ddtp = g.op("Mul", g.reshape(ddt, N, I), g.op("Sigmoid", s["dtp"]))
+    ddtr = proj_back(ddtp, s["dtr"], "dt_proj", depth >= 2)
+    if depth < 2:
+        return None
+    ddbc = g.op("Concat", ddtr, g.reshape(dBm, N, M), g.reshape(dCm, N, M), axis=1)
+    du2 = proj_back(ddbc, s["u2"], "x_proj", depth >= 3)
+    if depth < 3:
+        return None
+    du = g.op("Add", du, g.reshape(du2, B, S, I))
+    dxc = silu_backward(g, du, s["xc"], s["sig"])
+    dxs = g.reshape(conv_backward(g, dxc, L.conv_w, S, I, sp.conv_kernel), N, I)
+    dh = proj_back(g.op("Concat", dxs, dz, axis=1), s["h"], "in_proj", need_dx)
+    if not need_dx:
+        return None
+    return g.op("Add", dy, rmsnorm_backward(g, dh, L.norm, s["nrm"]))
+
+
+def build_training_graph(spec: MambaSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
+    """Loss and the exact gradient of every LoRA tensor, in one graph (see module doc)."""
+    train.validate(spec)
+    g = GraphBuilder("lorac_train_mamba", _float(dtype))
+    B, S = train.batch, train.seq
+    ids = g.input("input_ids", [B, S], INT64)
+    labels = g.input("labels", [B, S], INT64)
+    embed, layers, final_norm, head = declare_weights(g, spec, train)
+    c = Ctx(g, spec, train)
+    lowest = train.layers(spec)[0]
+
+    g.scope = "fwd"
+    x = _embed(g, embed, ids, spec, train)
+    inputs, saved = [], []
+    for L in layers:
+        g.scope = f"L{L.idx}.fwd"
+        inputs.append(x)
+        x, s = layer_forward(c, x, L)
+        saved.append(None if (train.checkpointing or L.idx < lowest) else s)
+    g.scope = "head"
+    hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
+    loss, dhN = loss_and_grad(g, hN, head, labels, B, S, spec.vocab, train.loss_chunk)
+    dx = rmsnorm_backward(g, dhN, final_norm, nN)
+
+    grads: dict = {}
+    for L in reversed(layers[lowest:]):
+        g.scope = f"L{L.idx}.bwd"
+        s = saved[L.idx]
+        if s is None:  # checkpointing: recompute this layer's forward from its kept input
+            _, s = layer_forward(c, inputs[L.idx], L)
+        dx = layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
+    g.scope = "out"
+    g.output(g.reshape(loss), "loss")
+    for name in lora_tensor_names(spec, train):
+        g.output(grads[name], name + ".grad")
+    return g.finish(doc=_doc(spec, train, "training"))
+
+
+def build_forward_graph(spec: MambaSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
+    """Logits [B, S, V] of base + adapter; same inputs as training minus labels."""
+    g, hN, head = _forward_only(spec, train, dtype, "forward")
+    g.output(g.reshape(logits_forward(g, hN, head), train.batch, train.seq, spec.vocab), "logits")
+    return g.finish(doc=_doc(spec, train, "forward"))
+
+
+def build_eval_graph(spec: MambaSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
+    """The training graph's loss without any backward node (eval loss; autodiff oracles)."""
+    g, hN, head = _forward_only(spec, train, dtype, "eval")
+    labels = g.input("labels", [train.batch, train.seq], INT64)
+    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk)), "loss")
+    return g.finish(doc=_doc(spec, train, "eval"))
+
+
+def _forward_only(spec, train, dtype, kind):
+    train.validate(spec)
+    g = GraphBuilder(f"lorac_{kind}_mamba", _float(dtype))
+    ids = g.input("input_ids", [train.batch, train.seq], INT64)
+    embed, layers, final_norm, head = declare_weights(g, spec, train)
+    c = Ctx(g, spec, train)
+    x = _embed(g, embed, ids, spec, train)
+    for L in layers:
+        g.scope = f"L{L.idx}.fwd"
+        x, _ = layer_forward(c, x, L)
+    g.scope = "head"
+    hN, _ = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
+    return g, hN, head
+
+
+def lora_tensor_names(spec: MambaSpec, train: TrainSpec) -> list[str]:
+    """Every LoRA tensor of the graph in output order: by layer, target, then A before B."""
+    return [lora_name(i, t, w) for i in train.layers(spec) for t in MAMBA_TARGETS if t in train.lora_targets
+            for w in ("A", "B")]
+
+
+def _doc(spec: MambaSpec, train: TrainSpec, kind: str) -> str:
+    return f"lorac {kind} graph; model {spec}; train {train}; scan chunk {scan_chunk(spec, train)}"
