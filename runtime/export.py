@@ -187,6 +187,29 @@ def export_merged(out_dir, model_dir, lora: dict[str, np.ndarray], *, alpha: flo
     return out
 
 
+def export_merged_weights(out_dir, weights: dict[str, np.ndarray], config: dict, lora: dict[str, np.ndarray], *,
+                          alpha: float, use_rslora: bool = False, tokenizer_dir=None) -> Path:
+    """A merged HF directory from weights already in memory (HF names), e.g. a GGUF base.
+
+    Writes config.json and one model.safetensors (tensors keep their dtype); copies the
+    tokenizer files found in `tokenizer_dir`, if given. A tied lm_head is left out, as
+    transformers' save_pretrained does.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    merged = merge_lora(weights, lora, alpha=alpha, use_rslora=use_rslora)
+    if config.get("tie_word_embeddings") and "lm_head.weight" in merged:
+        merged = {k: x for k, x in merged.items() if k != "lm_head.weight"}
+    save_file({k: np.ascontiguousarray(x) for k, x in merged.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for extra in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / extra).exists():
+                shutil.copyfile(Path(tokenizer_dir) / extra, out / extra)
+    return out
+
+
 # -- (c) GGUF LoRA adapter (llama.cpp) -------------------------------------------------------
 def llama_qk_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Reorder rows per head from HF's RoPE layout (first half / second half of each head's

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.export import (GGUF_TENSOR, PARENT, export_gguf, export_merged, export_peft, llama_qk_permute,
-                                  lora_scale)
+from lorac.runtime.export import (GGUF_TENSOR, PARENT, export_gguf, export_merged, export_merged_weights, export_peft,
+                                  llama_qk_permute, lora_scale)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -98,10 +98,14 @@ def test_peft_and_merged_exports_match_reference(tmp_path, kind, layers, targets
         assert np.max(np.abs(plain(torch.tensor(ids)).logits.numpy() - ref)) > 1e-3
 
     merged = export_merged(tmp_path / "merged", base, lora, alpha=alpha, use_rslora=rs)
-    assert (merged / "tokenizer.json").exists()
-    m = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
-    with torch.no_grad():
-        assert np.max(np.abs(m(torch.tensor(ids)).logits.numpy() - ref)) <= 1e-4
+    from safetensors.numpy import load_file
+    in_memory = export_merged_weights(tmp_path / "merged2", load_file(str(base / "model.safetensors")), config, lora,
+                                      alpha=alpha, use_rslora=rs, tokenizer_dir=base)
+    for d in (merged, in_memory):
+        assert (d / "tokenizer.json").exists()
+        m = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+        with torch.no_grad():
+            assert np.max(np.abs(m(torch.tensor(ids)).logits.numpy() - ref)) <= 1e-4
 
 
 def test_merged_keeps_bf16_source_dtype(tmp_path):
