@@ -172,7 +172,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
         **key,
         "target": {"family": family, "request": request, "device": tmod.DEVICE,
-                   "tvm": _jsonable(tvm_target.export())},
+                   "tvm": _target_json(tvm_target)},
         "library": files.pop("library"),
         "inputs": inputs, "outputs": outputs, "gemm": gemm,
         "extra": files,
@@ -189,11 +189,10 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     return art_dir
 
 
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
+def _target_json(target) -> dict:
+    """The TVM target as plain JSON (0.27 prints a Target as its JSON config)."""
+    import json
+    try:
+        return json.loads(str(target))
+    except json.JSONDecodeError:
+        return {"kind": target.kind.name, "repr": str(target)}
