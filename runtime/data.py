@@ -140,11 +140,14 @@ def tokenize_chunk(chunk, tokenizer, vocab_size, path):
     out = []
     for (lineno, _), (text, spans, eos, bos), enc in zip(chunk, pieces, encodings):
         ids = np.asarray(enc.ids, dtype=np.int64)
-        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-        counted = np.zeros(len(ids), dtype=bool)
-        for s, e in spans:
-            counted |= (offsets[:, 1] > s) & (offsets[:, 0] < e)
-        mask = counted.astype(np.uint8)
+        if spans == [(0, len(text))]:  # plain text: everything counts, offsets not needed
+            mask = np.ones(len(ids), dtype=np.uint8)
+        else:
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            counted = np.zeros(len(ids), dtype=bool)
+            for s, e in spans:
+                counted |= (offsets[:, 1] > s) & (offsets[:, 0] < e)
+            mask = counted.astype(np.uint8)
         if bos and tokenizer.add_bos:
             ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int64), ids])
             mask = np.concatenate([np.zeros(1, np.uint8), mask])
@@ -163,7 +166,9 @@ def tokenize_chunk(chunk, tokenizer, vocab_size, path):
 
 class TokenStore:
     """A split's token stream in two flat files (ids int32, mask uint8), appended while
-    tokenizing, memory-mapped once `close()`d."""
+    tokenizing (buffered: one write per FLUSH_TOKENS), memory-mapped once `close()`d."""
+
+    FLUSH_TOKENS = 1 << 17
 
     def __init__(self, folder, name):
         self.ids_path = os.path.join(folder, f"{name}.ids.i32")
@@ -172,18 +177,28 @@ class TokenStore:
         self._mask = open(self.mask_path, "wb")
         self.n_tokens = self.n_counted = self.n_docs = 0
         self.ids = self.mask = None
+        self._buf, self._buffered = [], 0
 
     def append(self, ids, mask):
         assert ids.dtype == np.int32 and mask.dtype == np.uint8, "the files hold int32 ids, uint8 mask"
-        ids.tofile(self._ids)
-        mask.tofile(self._mask)
+        self._buf.append((ids, mask))
+        self._buffered += len(ids)
         self.n_tokens += len(ids)
         self.n_counted += int(mask.sum())
         self.n_docs += 1
+        if self._buffered >= self.FLUSH_TOKENS:
+            self._flush()
+
+    def _flush(self):
+        if self._buf:
+            np.concatenate([i for i, _ in self._buf]).tofile(self._ids)
+            np.concatenate([m for _, m in self._buf]).tofile(self._mask)
+        self._buf, self._buffered = [], 0
 
     def close(self):
         if self._ids.closed:
             return
+        self._flush()
         self._ids.close()
         self._mask.close()
         if self.n_tokens:

@@ -1,0 +1,261 @@
+"""Datasets: packing, loss masks that count exactly the answer tokens, the eval split,
+the resumable iterator, streaming, and one clear line for each kind of bad data."""
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+from lorac.runtime.data import IGNORE, is_eval_doc, load_dataset, read_records
+from lorac.runtime.errors import LoracError
+from lorac.runtime.tokenizer import Tokenizer
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+WORDS = ("the quick brown fox jumps over a lazy dog while hackers write cruft and kludges "
+         "in C with foo bar baz answer question what is means term jargon").split()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """A small byte-level BPE with ChatML specials, trained here (no files, no network)."""
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rng = np.random.default_rng(0)
+    backend.train_from_iterator([" ".join(rng.choice(WORDS, 12)) for _ in range(300)], trainer)
+    return Tokenizer(backend, eos_id=backend.token_to_id("<|im_end|>"), bos_id=None,
+                     chat_template=CHATML, source="test")
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def counted_text(tok, ds):
+    """Concatenated decoded text of all counted train tokens, in stream order."""
+    ids, mask = np.asarray(ds.train.ids), np.asarray(ds.train.mask)
+    return tok.decode(ids[mask > 0], skip_special=False)
+
+
+def test_text_packing_with_eos_separators(tmp_path, tok):
+    docs = [" ".join(WORDS[i:i + 7]) for i in range(12)]
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in docs])
+    stream = np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in docs])
+    if len(stream) % 16 == 0:  # keep a partial last row, whose padding is checked below
+        docs, stream = docs[:-1], stream[:-len(tok.encode(docs[-1])) - 1]
+        path = write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in docs])
+    ds = load_dataset(path, tok, seq=16, vocab_size=tok.vocab_size, eval_fraction=0)
+    assert ds.train.n_tokens == len(stream) and ds.eval.n_tokens == 0
+    it = ds.batches(batch=2, seed=0)
+    rows = {}
+    for _ in range(ds.n_train_rows):  # one epoch in permuted order covers every row once
+        b = next(it)
+        assert b["input_ids"].shape == (2, 16) and b["input_ids"].dtype == np.int64
+        assert b["labels"].dtype == np.int64
+        for r in range(2):
+            rows[tuple(b["input_ids"][r])] = b["labels"][r]
+    flat = np.concatenate([ds.train.rows(np.array([r]), 16, tok.eos_id)[0][0] for r in range(ds.n_train_rows)])
+    assert np.array_equal(flat[:len(stream)], stream)
+    assert np.all(flat[len(stream):] == tok.eos_id)  # padding of the last row
+    last_ids, last_labels = ds.train.rows(np.array([ds.n_train_rows - 1]), 16, tok.eos_id)
+    pad = ds.n_train_rows * 16 - len(stream)
+    assert pad > 0 and np.all(last_labels[0, 16 - pad:] == IGNORE)
+    for ids, labels in rows.items():  # text: every real token counts
+        assert np.array_equal(np.asarray(ids)[labels != IGNORE], labels[labels != IGNORE])
+
+
+def test_prompt_completion_counts_exactly_the_completion(tmp_path, tok):
+    recs = [{"prompt": f"what is {w}?\n", "completion": f"{w} means the {WORDS[i]} fox"} for i, w in enumerate(WORDS[:9])]
+    path = write_jsonl(tmp_path / "pc.jsonl", recs)
+    ds = load_dataset(path, tok, seq=32, vocab_size=tok.vocab_size, eval_fraction=0)
+    expect = sum(len(tok.encode(r["completion"])) + 1 for r in recs)  # + EOS, which counts
+    assert ds.train.n_counted == expect
+    assert counted_text(tok, ds) == "".join(r["completion"] + "<|im_end|>" for r in recs)
+    b = next(ds.batches(4, seed=3))
+    assert (b["labels"] != IGNORE).sum() > 0
+
+
+def test_prompt_ending_in_blank_counts_the_first_answer_word(tmp_path, tok):
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "what is foo? ", "completion": "bar baz"}] * 2)
+    ds = load_dataset(path, tok, seq=32, vocab_size=tok.vocab_size, eval_fraction=0)
+    assert counted_text(tok, ds) == " bar baz<|im_end|>" * 2  # "Ġbar" straddles: it counts
+
+
+def test_chat_counts_exactly_the_assistant_turns(tmp_path, tok):
+    chats = [{"messages": [{"role": "system", "content": "be terse"},
+                           {"role": "user", "content": f"what is {w}?"},
+                           {"role": "assistant", "content": f"{w} means cruft"},
+                           {"role": "user", "content": "and foo?"},
+                           {"role": "assistant", "content": "foo is bar"}]} for w in WORDS[:6]]
+    path = write_jsonl(tmp_path / "chat.jsonl", chats)
+    ds = load_dataset(path, tok, seq=64, vocab_size=tok.vocab_size, eval_fraction=0)
+    answers = "".join(f"{w} means cruft<|im_end|>\nfoo is bar<|im_end|>\n" for w in WORDS[:6])
+    assert counted_text(tok, ds) == answers
+    # no extra EOS: the rendering ends in "<|im_end|>\n" already
+    rendered = tok.render_chat(chats[0]["messages"])
+    assert ds.train.n_tokens == 6 * len(tok.encode(rendered))
+    ids, mask = np.asarray(ds.train.ids), np.asarray(ds.train.mask)
+    assert mask.sum() == sum(len(tok.encode(f"{w} means cruft<|im_end|>\nfoo is bar<|im_end|>\n")) for w in WORDS[:6])
+
+
+def test_plain_text_paragraphs(tmp_path, tok):
+    p = tmp_path / "c.txt"
+    p.write_text("the quick fox\njumps over\n\n\nthe lazy dog\n\nfoo bar\n")
+    recs = [r for _, r in read_records(p)]
+    assert [r["text"] for r in recs] == ["the quick fox\njumps over", "the lazy dog", "foo bar"]
+    ds = load_dataset(p, tok, seq=8, vocab_size=tok.vocab_size, eval_fraction=0)
+    assert ds.train.n_docs == 3 and counted_text(tok, ds) == "".join(r["text"] + "<|im_end|>" for r in recs)
+
+
+def test_long_paragraph_is_cut_without_eos(tmp_path, tok, monkeypatch):
+    import lorac.runtime.data as data
+    monkeypatch.setattr(data, "MAX_PARAGRAPH", 20)
+    p = tmp_path / "long.txt"
+    p.write_text("the quick brown fox\njumps over the lazy\ndog\n")
+    recs = [r for _, r in read_records(p)]
+    assert [r["eos"] for r in recs] == [False, False, True] and [r["bos"] for r in recs] == [True, False, False]
+    ds = load_dataset(p, tok, seq=8, vocab_size=tok.vocab_size, eval_fraction=0)
+    assert tok.decode(np.asarray(ds.train.ids), skip_special=False).count("<|im_end|>") == 1
+
+
+# ---------------------------------------------------------------- split and order
+
+def test_eval_split_is_deterministic_and_disjoint(tmp_path, tok):
+    docs = [f"{a} {b}" for a in WORDS[:10] for b in WORDS[10:20]]  # 100 distinct documents
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in docs])
+    ds = load_dataset(path, tok, seq=16, vocab_size=tok.vocab_size, eval_fraction=0.1)
+    assert ds.eval.n_docs == 10 and ds.train.n_docs == 90
+    assert [i for i in range(100) if is_eval_doc(i, 0.1)] == list(range(9, 100, 10))
+    eval_text = tok.decode(np.asarray(ds.eval.ids), skip_special=False)
+    assert eval_text == "".join(docs[i] + "<|im_end|>" for i in range(9, 100, 10))
+    again = load_dataset(path, tok, seq=16, vocab_size=tok.vocab_size, eval_fraction=0.1)
+    assert np.array_equal(np.asarray(again.eval.ids), np.asarray(ds.eval.ids))
+    batches = list(ds.eval_batches(4))
+    assert len(batches) == -(-ds.eval.n_rows(16) // 4)
+    assert all(b["input_ids"].shape == (4, 16) for b in batches)
+
+
+def test_tiny_corpus_still_gets_an_eval_document(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "foo bar"}, {"text": "the fox"}, {"text": "lazy dog"}])
+    ds = load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size, eval_fraction=0.05)
+    assert ds.train.n_docs == 2 and ds.eval.n_docs == 1
+
+
+def test_separate_eval_file(tmp_path, tok):
+    train = write_jsonl(tmp_path / "a.jsonl", [{"text": "foo bar"}] * 5)
+    ev = write_jsonl(tmp_path / "b.jsonl", [{"text": "lazy dog"}])
+    ds = load_dataset(train, tok, seq=8, vocab_size=tok.vocab_size, eval_path=ev)
+    assert ds.train.n_docs == 5 and tok.decode(np.asarray(ds.eval.ids), skip_special=False) == "lazy dog<|im_end|>"
+
+
+def test_iterator_is_seeded_and_resumes_exactly(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": " ".join(WORDS[i:i + 9])} for i in range(20)])
+    ds = load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size, eval_fraction=0)
+    n = ds.n_train_rows
+    steps = 2 * n // 3 + 3  # runs across at least one epoch boundary with batch 3
+    run = [next(it) for it in [ds.batches(3, seed=7)] for _ in range(steps)]
+    same = [next(it) for it in [ds.batches(3, seed=7)] for _ in range(steps)]
+    other = next(ds.batches(3, seed=8))
+    assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(run, same))
+    assert not np.array_equal(run[0]["input_ids"], other["input_ids"])
+    # each epoch is a permutation: the first n rows of the stream are all rows once
+    first_epoch = np.concatenate([b["input_ids"] for b in run])[:n]
+    assert len({tuple(r) for r in first_epoch}) == len({tuple(r) for r in ds.train.rows(np.arange(n), 8, 0)[0]})
+
+    it = ds.batches(3, seed=7)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(it.state()))  # a checkpoint stores it as JSON
+    assert set(state) == {"epoch", "index", "seed"}
+    resumed = ds.batches(3, seed=123, state=state)  # the state's seed wins
+    for k in range(5, steps):
+        b = next(resumed)
+        assert np.array_equal(b["input_ids"], run[k]["input_ids"]) and np.array_equal(b["labels"], run[k]["labels"])
+    with pytest.raises(LoracError, match="past this dataset"):
+        ds.batches(3, state={"epoch": 0, "index": n + 1, "seed": 7})
+
+
+def test_streaming_keeps_memory_bounded(tmp_path, tok):
+    """A 5+ MB JSONL tokenized with bounded Python/numpy memory: the whole file is never held."""
+    path = tmp_path / "big.jsonl"
+    rng = np.random.default_rng(0)
+    line = [json.dumps({"text": " ".join(rng.choice(WORDS, 400))}) for _ in range(50)]
+    with open(path, "w") as f:
+        for i in range(2900):
+            f.write(line[i % 50] + "\n")
+    size = path.stat().st_size
+    tracemalloc.start()
+    ds = load_dataset(path, tok, seq=128, vocab_size=tok.vocab_size, eval_fraction=0.01, chunk_docs=64)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert size > 5e6 and ds.train.n_docs + ds.eval.n_docs == 2900
+    # the bound is the write buffer (FLUSH_TOKENS) plus one chunk, not the file or its tokens
+    assert peak < size / 3, f"peak {peak} bytes while reading {size} bytes"
+
+
+# ---------------------------------------------------------------- bad data
+
+def test_bad_json_line_is_named(tmp_path, tok):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "foo"}, "", '{"text": "bar"', {"text": "x"}])
+    with pytest.raises(LoracError, match=r"bad\.jsonl:3: not valid JSON"):
+        load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size)
+    path = write_jsonl(tmp_path / "arr.jsonl", ["[1, 2]"])
+    with pytest.raises(LoracError, match=r"arr\.jsonl:1: a JSON object is expected"):
+        load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size)
+    path = write_jsonl(tmp_path / "keys.jsonl", [{"text": "a"}, {"body": "b"}])
+    with pytest.raises(LoracError, match=r"keys\.jsonl:2: record has none of the keys"):
+        load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size)
+
+
+def test_empty_dataset(tmp_path, tok):
+    for name, content in (("e.jsonl", ""), ("blank.jsonl", "\n\n  \n"), ("e.txt", "\n\n")):
+        p = tmp_path / name
+        p.write_text(content)
+        with pytest.raises(LoracError, match="dataset is empty"):
+            load_dataset(p, tok, seq=8, vocab_size=tok.vocab_size)
+    with pytest.raises(LoracError, match="data file not found"):
+        load_dataset(tmp_path / "none.jsonl", tok, seq=8, vocab_size=tok.vocab_size)
+
+
+def test_token_id_beyond_vocab(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "foo"}, {"text": "the quick brown fox"}])
+    with pytest.raises(LoracError, match=r"t\.jsonl:\d+: token id \d+ >= the model's vocab size 10"):
+        load_dataset(path, tok, seq=8, vocab_size=10)
+
+
+def test_chat_file_without_template(tmp_path, tok):
+    bare = Tokenizer(tok.backend, eos_id=tok.eos_id, chat_template=None, source="bare-model")
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "foo"}]}])
+    with pytest.raises(LoracError, match="bare-model has no chat template"):
+        load_dataset(path, bare, seq=8, vocab_size=tok.vocab_size)
+
+
+def test_bad_records(tmp_path, tok):
+    cases = [({"prompt": "a"}, "must both be strings"), ({"messages": "hi"}, "must be a list"),
+             ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+             ({"text": 5}, "must be a string")]
+    for record, message in cases:
+        path = write_jsonl(tmp_path / "r.jsonl", [record])
+        with pytest.raises(LoracError, match=r"r\.jsonl:1: .*" + message):
+            load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size)
+
+
+def test_bundled_corpus_is_small_and_valid(tok):
+    from lorac.runtime.default_model import default_corpus
+    train, ev = default_corpus()
+    recs = [r for _, r in read_records(train)]
+    evs = [r for _, r in read_records(ev)]
+    assert 500 <= len(recs) <= 2000 and 20 <= len(evs) <= 100
+    terms = {r["messages"][0]["content"] for r in recs}
+    assert not terms & {r["messages"][0]["content"] for r in evs}  # held-out terms
+    ds = load_dataset(train, tok, seq=256, vocab_size=tok.vocab_size, eval_path=ev)
+    assert ds.train.n_counted > 0 and ds.eval.n_counted > 0
