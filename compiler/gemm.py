@@ -16,9 +16,12 @@ The runtime (lorac.runtime.gemm_cpu / gemm_cuda) registers the four functions
 where `a` and `b` are row-major (contiguous), have 2 dims or the same batch dims as
 `out`, and `out` is written in full (no accumulate).
 
-With `compute_dtype="bfloat16"` both operands are cast to bf16 before the call (a cast
-of a bf16 weight that was itself widened from bf16 is skipped) while the output stays
-float32: the library multiplies in bf16 and accumulates in fp32, as the design asks.
+With `compute_dtype="bfloat16"`, GEMMs that read a frozen (bf16) weight and the batched
+attention GEMMs get both operands in bf16 (a weight widened from bf16 is used as the bf16
+original; an activation is narrowed once, by a cast that fuses into its producer), while
+the output stays float32: the library multiplies in bf16 and accumulates in fp32. The
+thin LoRA-path GEMMs (rank r, a few % of the FLOPs) stay fp32, so the trained tensors'
+gradients keep full precision.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class _GemmRewriter(PyExprMutator):
         self.compute_dtype = compute_dtype
         self.rewritten = 0
         self.left = []  # matmuls kept as TVM kernels, with the reason
+        self.narrowed = {}  # activation -> its bf16 cast, so each is cast once
 
     def transform(self) -> tvm.IRModule:
         for gv, func in self.mod_.functions_items():
@@ -88,14 +92,22 @@ class _GemmRewriter(PyExprMutator):
                 return src, True
         return operand, False
 
-    def _to_compute_dtype(self, operand):
+    def _narrow_source(self, operand):
+        """The bf16 original of an operand that is a widened bf16 weight, else None."""
         if operand.ty.dtype == self.compute_dtype:
             return operand
-        # a bf16 weight widened to fp32 for the rest of the graph: use the bf16 original
         call = self._producer(operand)
         if call is not None and call.op == _ASTYPE and call.args[0].ty.dtype == self.compute_dtype:
             return call.args[0]
-        return self.builder_.emit(relax.op.astype(operand, self.compute_dtype))
+        return None
+
+    def _to_compute_dtype(self, operand):
+        src = self._narrow_source(operand)
+        if src is not None:
+            return src
+        if operand not in self.narrowed:
+            self.narrowed[operand] = self.builder_.emit(relax.op.astype(operand, self.compute_dtype))
+        return self.narrowed[operand]
 
     def visit_call_(self, call: relax.Call):
         call = super().visit_call_(call)
@@ -118,7 +130,9 @@ class _GemmRewriter(PyExprMutator):
             return call
         a, ta = self._fold_transpose(a)
         b, tb = self._fold_transpose(b)
-        if self.compute_dtype != "float32":
+        narrow = self.compute_dtype != "float32" and (
+            self._narrow_source(a) is not None or self._narrow_source(b) is not None or len(out_shape) >= 3)
+        if narrow:
             a, b = self._to_compute_dtype(a), self._to_compute_dtype(b)
         name = GEMM_PREFIX + ("t" if ta else "n") + ("t" if tb else "n")
         self.rewritten += 1

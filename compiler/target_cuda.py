@@ -1,0 +1,91 @@
+"""NVIDIA CUDA (sm_90 by default): DLight-scheduled TVM kernels, GEMMs on cuBLAS, device
+code compiled here with nvcc and shipped in the artifact.
+
+TVM 0.27's CUDA build keeps the kernels as CUDA *source* inside the library and compiles
+them when the module is loaded (callback `tvm_callback_cuda_compile`, NVRTC by default),
+which fails in a runtime-only TVM and needs NVRTC or nvcc on the GPU machine. Instead we
+take that source from the built module now, compile it with this machine's nvcc (no GPU
+or driver needed) into `kernels.fatbin` (SASS for the arch + PTX for newer GPUs), and the
+runtime answers the load-time callback with those bytes when the source's sha256 matches
+(lorac.runtime.cuda_loader). The GPU machine then needs only the driver, libcudart and
+libcublas.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from lorac.runtime.errors import LoracError
+
+FAMILY = "cuda"
+DEVICE = "cuda"
+GEMM_LIBRARY = True  # cuBLAS through lorac.runtime.gemm_cuda
+DTYPES = ("float32", "bfloat16")
+DEFAULT_ARCH = "sm_90"
+
+
+def tvm_target(request: dict):
+    import tvm
+    spec = {k: v for k, v in request.items() if k != "kind"}
+    spec.setdefault("arch", DEFAULT_ARCH)
+    return tvm.target.Target({"kind": "cuda", **spec, "host": {"kind": "llvm"}})
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
+
+
+def check_environment(request: dict) -> None:
+    if _nvcc() is None:
+        raise LoracError("target cuda needs nvcc (the CUDA toolkit) on the compiling machine "
+                         "to turn TVM's kernels into a fatbin")
+
+
+def prepare(mod):
+    return mod
+
+
+def relax_passes(target) -> list:
+    """The stock CUDA phases: legalize + fuse + DLight (Matmul/GEMV/Reduction/Fallback), lower."""
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    return (cuda.library_dispatch_passes(target) + cuda.legalize_passes(target)
+            + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
+
+
+def _cuda_sources(ex) -> list[str]:
+    """CUDA source of every CUDA module imported by the built library."""
+    found, stack = [], [ex.mod]
+    while stack:
+        m = stack.pop()
+        if m.kind == "cuda":
+            found.append(m.inspect_source("cuda"))
+        stack.extend(m.imports)
+    return found
+
+
+def compile_fatbin(source: str, arch: str, out: Path) -> None:
+    cc = arch.removeprefix("sm_")
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = Path(tmp) / "kernels.cu"
+        cu.write_text(source)
+        cmd = [_nvcc(), "--fatbin", "-O3", "-std=c++17",
+               f"-gencode=arch=compute_{cc},code=sm_{cc}", f"-gencode=arch=compute_{cc},code=compute_{cc}",
+               "-o", str(out), str(cu)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise LoracError(f"nvcc failed on TVM's CUDA kernels: {r.stderr.strip()[-600:]}")
+
+
+def export(ex, art_dir: Path, target) -> dict:
+    sources = _cuda_sources(ex)
+    if len(sources) != 1:
+        raise LoracError(f"expected one CUDA module in the build, found {len(sources)}")
+    arch = str(target.attrs.get("arch", DEFAULT_ARCH)) if hasattr(target, "attrs") else DEFAULT_ARCH
+    compile_fatbin(sources[0], arch, Path(art_dir) / "kernels.fatbin")
+    ex.export_library(str(Path(art_dir) / "lib.so"))
+    return {"library": "lib.so", "cuda_fatbin": "kernels.fatbin", "cuda_arch": arch,
+            "cuda_source_sha256": hashlib.sha256(sources[0].encode()).hexdigest()}

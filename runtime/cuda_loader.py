@@ -1,0 +1,58 @@
+"""Make a runtime-only TVM able to load a lorac CUDA artifact.
+
+Two things TVM's runtime-only mode lacks (NOTES.md, seen on the H200):
+- the CUDA device API lives in `libtvm_runtime_cuda.so`, which only the compiler library
+  pulls in: load it ourselves, after libcudart (RTLD_GLOBAL, so its symbols resolve);
+- a CUDA library built by TVM 0.27 holds kernel *source* and asks the global callback
+  `tvm_callback_cuda_compile(source)` for device code at load time. The compiler already
+  compiled that source with nvcc (compiler/target_cuda.py); our callback returns the
+  artifact's fatbin when the source's sha256 matches the manifest. No NVRTC, no nvcc.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+
+from .errors import LoracError
+
+_fatbins: dict[str, bytes] = {}  # sha256 of CUDA source -> fatbin, for every loaded artifact
+
+
+def _ensure_cuda_device_api() -> None:
+    import tvm_ffi
+
+    if tvm_ffi.get_global_func("device_api.cuda", allow_missing=True) is not None:
+        return
+    from .gemm_cuda import load_library
+    load_library("libcudart")
+    import tvm
+    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    if not lib.is_file():
+        raise LoracError(f"TVM's CUDA runtime library is missing ({lib}); install the apache-tvm wheel with CUDA")
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise LoracError(f"cannot load TVM's CUDA runtime ({e}); is the NVIDIA driver installed?") from None
+
+
+def _compile_callback(source: str) -> bytes:
+    key = hashlib.sha256(source.encode()).hexdigest()
+    hit = _fatbins.get(key)
+    if hit is not None:
+        return bytes(hit)
+    raise LoracError("CUDA kernels of this artifact differ from the ones compiled ahead "
+                     f"(source sha256 {key[:12]}); recompile the artifact with `lorac compile`")
+
+
+def prepare(art_dir: Path, manifest: dict) -> None:
+    """Load the CUDA runtime pieces and register this artifact's fatbin."""
+    extra = manifest.get("extra", {})
+    fatbin = Path(art_dir) / extra.get("cuda_fatbin", "kernels.fatbin")
+    if "cuda_source_sha256" not in extra or not fatbin.is_file():
+        raise LoracError(f"{art_dir}: CUDA artifact without its compiled kernels ({fatbin.name})")
+    _ensure_cuda_device_api()
+    _fatbins[extra["cuda_source_sha256"]] = fatbin.read_bytes()
+    import tvm_ffi
+    # override: a full TVM registers its own NVRTC/nvcc callback at import
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_callback, override=True)
