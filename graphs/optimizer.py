@@ -1,8 +1,9 @@
 """The LoRA+ AdamW step as an ONNX graph, compiled for the device like the training step.
 
-Inputs  (per LoRA tensor `n`): n, n.grad, n.m, n.v                float32, n's shape
-        lr_a, lr_b, step                                           float32 scalars
-Outputs (per n):                n.new, n.m.new, n.v.new
+Inputs  per bucket k (see Bucket): k.param, k.m, k.v       float32 [size], flat
+        per LoRA tensor n: n.grad                            float32, n's shape
+        lr_a, lr_b, step                                     float32 scalars
+Outputs per bucket k: k.param.new, k.m.new, k.v.new
         grad_norm (float32 scalar, before clipping), skipped (float32 scalar, 1.0 or 0.0)
 
 Learning rates and the 1-based step count are inputs, so a schedule never recompiles;
@@ -24,6 +25,7 @@ epilogue, see NOTES); the scalar outputs are reshaped to [] at the very end.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -38,26 +40,72 @@ def _ndim_rules():
     return group_of, decays
 
 
+@dataclass
+class Bucket:
+    """LoRA tensors sharing a learning rate and a decay rule, stored as ONE flat vector.
+
+    The runtime keeps each bucket's params, m and v as flat device buffers and hands the
+    training step zero-copy views of the params; the optimizer then runs as a handful of
+    kernels over a few flat vectors instead of ~20 small kernels per tensor (the SmolLM2
+    adapter has 420 tensors), which also keeps its compile time to seconds.
+    """
+    key: str  # "lora_A", "lora_B" (+ ".nodecay" for 1-D tensors)
+    group: str  # "A" or "B": lr_a or lr_b
+    decay: bool
+    entries: list = field(default_factory=list)  # (name, offset, shape), in the shapes' order
+    size: int = 0
+
+
+def buckets(shapes: dict[str, tuple[int, ...]]) -> list[Bucket]:
+    group_of, decays = _ndim_rules()
+    out: dict[str, Bucket] = {}
+    for name, shape in shapes.items():
+        grp, dec = group_of(name, len(shape)), decays(name, len(shape))
+        key = f"lora_{grp}" + ("" if dec else ".nodecay")
+        b = out.setdefault(key, Bucket(key, grp, dec))
+        n = int(np.prod(shape))
+        b.entries.append((name, b.size, tuple(shape)))
+        b.size += n
+    return list(out.values())
+
+
+def pack(bks: list[Bucket], tensors: dict) -> dict[str, np.ndarray]:
+    """{bucket key: flat float32 vector} from per-tensor arrays."""
+    return {b.key: np.concatenate([np.asarray(tensors[n], np.float32).reshape(-1) for n, _, _ in b.entries])
+            for b in bks}
+
+
+def unpack(bks: list[Bucket], flats: dict) -> dict[str, np.ndarray]:
+    """Per-tensor views into flat vectors (inverse of pack)."""
+    return {n: flats[b.key][off:off + int(np.prod(s))].reshape(s) for b in bks for n, off, s in b.entries}
+
+
 def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.ModelProto:
-    """LoRA+ AdamW over the tensors in `shapes` (name -> shape), settings from a LoraPlusConfig."""
+    """LoRA+ AdamW over the tensors in `shapes` (name -> shape), settings from a LoraPlusConfig.
+
+    Inputs: per bucket `<key>.param`, `<key>.m`, `<key>.v` (flat [size]); per tensor
+    `<name>.grad` in its own shape (as the training step outputs them); `lr_a`, `lr_b`,
+    `step`. Outputs: `<key>.param.new`, `<key>.m.new`, `<key>.v.new`, `grad_norm`, `skipped`.
+    """
     if not shapes or any(len(s) == 0 for s in shapes.values()):
         raise ValueError("build_optimizer_graph: needs at least one tensor, none of them 0-d")
-    group_of, decays = _ndim_rules()
     b1, b2 = (float(b) for b in cfg.betas)
     g = GraphBuilder("lorac_loraplus_adamw")
     g.scope = "adamw"
-    names = list(shapes)
-    p_in = {n: g.input(n, shapes[n]) for n in names}
-    g_in = {n: g.input(f"{n}.grad", shapes[n]) for n in names}
-    m_in = {n: g.input(f"{n}.m", shapes[n]) for n in names}
-    v_in = {n: g.input(f"{n}.v", shapes[n]) for n in names}
+    bks = buckets(shapes)
+    p_in = {b.key: g.input(f"{b.key}.param", [b.size]) for b in bks}
+    m_in = {b.key: g.input(f"{b.key}.m", [b.size]) for b in bks}
+    v_in = {b.key: g.input(f"{b.key}.v", [b.size]) for b in bks}
+    g_in = {n: g.input(f"{n}.grad", s) for n, s in shapes.items()}
     lr_a, lr_b, step = g.input("lr_a", []), g.input("lr_b", []), g.input("step", [])
 
-    # global norm: each tensor's sum of squares reduced to [1], then summed
-    sq = []
-    for n in names:
-        axes = range(len(shapes[n]))
-        sq.append(g.reshape(g.reduce_sum(g.op("Mul", g_in[n], g_in[n]), *axes), 1))
+    # each bucket's gradients flattened into one vector in the bucket's layout
+    flat = {}
+    for b in bks:
+        parts = [g.reshape(g_in[n], -1) for n, _, _ in b.entries]
+        flat[b.key] = parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis=0)
+    # global norm: each bucket's sum of squares reduced to [1], then summed
+    sq = [g.reduce_sum(g.op("Mul", flat[b.key], flat[b.key]), 0) for b in bks]
     total = sq[0] if len(sq) == 1 else g.op("Sum", *sq)
     norm = g.op("Sqrt", total)  # [1]
     ok = g.op("Not", g.op("Or", g.op("IsNaN", norm), g.op("IsInf", norm)))  # [1] bool
@@ -71,22 +119,21 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     # bias corrections, shared by every tensor: 1 - beta^t with t the float step input
     bc1, bc2 = _one_minus_pow(g, b1, step), _one_minus_pow(g, b2, step)
 
-    for n in names:
-        p, m, v = p_in[n], m_in[n], v_in[n]
-        grad = g.op("Mul", g_in[n], c) if c is not None else g_in[n]
+    for b in bks:
+        p, m, v = p_in[b.key], m_in[b.key], v_in[b.key]
+        grad = g.op("Mul", flat[b.key], c) if c is not None else flat[b.key]
         m1 = g.op("Add", g.op("Mul", g.f(b1), m), g.op("Mul", g.f(1.0 - b1), grad))
         v1 = g.op("Add", g.op("Mul", g.f(b2), v), g.op("Mul", g.f(1.0 - b2), g.op("Mul", grad, grad)))
         mhat = g.op("Div", m1, bc1)
         denom = g.op("Add", g.op("Sqrt", g.op("Div", v1, bc2)), g.f(cfg.eps))
         upd = g.op("Div", mhat, denom)
-        wd = cfg.weight_decay if decays(n, len(shapes[n])) else 0.0
-        if wd:
-            upd = g.op("Add", upd, g.op("Mul", g.f(wd), p))  # decoupled: decay acts on p, not on g
-        lr = lr_b if group_of(n, len(shapes[n])) == "B" else lr_a
+        if b.decay and cfg.weight_decay:
+            upd = g.op("Add", upd, g.op("Mul", g.f(cfg.weight_decay), p))  # decoupled: decay acts on p, not on g
+        lr = lr_b if b.group == "B" else lr_a
         p1 = g.op("Sub", p, g.op("Mul", lr, upd))
-        g.output(g.op("Where", ok, p1, p), f"{n}.new")
-        g.output(g.op("Where", ok, m1, m), f"{n}.m.new")
-        g.output(g.op("Where", ok, v1, v), f"{n}.v.new")
+        g.output(g.op("Where", ok, p1, p), f"{b.key}.param.new")
+        g.output(g.op("Where", ok, m1, m), f"{b.key}.m.new")
+        g.output(g.op("Where", ok, v1, v), f"{b.key}.v.new")
 
     scalar = g.const(np.zeros(0, np.int64))  # Reshape to shape [] (a 0-d tensor)
     g.output(g.op("Reshape", norm, scalar), "grad_norm")
@@ -124,15 +171,14 @@ def _one_minus_pow(g: GraphBuilder, b: float, t):
 
 def optimizer_feed_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """The graph's input names in order (handy for runtimes that feed positionally)."""
-    out = list(shapes)
-    for suffix in (".grad", ".m", ".v"):
-        out += [f"{n}{suffix}" for n in shapes]
-    return out + ["lr_a", "lr_b", "step"]
+    keys = [b.key for b in buckets(shapes)]
+    return ([f"{k}.param" for k in keys] + [f"{k}.m" for k in keys] + [f"{k}.v" for k in keys]
+            + [f"{n}.grad" for n in shapes] + ["lr_a", "lr_b", "step"])
 
 
 def optimizer_output_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """The graph's output names in order."""
     out = []
-    for n in shapes:
-        out += [f"{n}.new", f"{n}.m.new", f"{n}.v.new"]
+    for b in buckets(shapes):
+        out += [f"{b.key}.param.new", f"{b.key}.m.new", f"{b.key}.v.new"]
     return out + ["grad_norm", "skipped"]

@@ -147,10 +147,13 @@ def cmd_export(args) -> int:
     if args.format == "peft":
         path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
                                   base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"))
-    elif args.format == "merged":
+    elif args.format == "merged" and source.path.is_dir():
         path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora)
+    elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory
+        config, weights, _ = source.load()
+        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora)
     else:
-        path = export.export_gguf(args.out, ck.lora, alpha=alpha, model_config=config)
+        path = export.export_gguf(args.out, ck.lora, alpha=alpha, model_config=config, use_rslora=rslora)
     print(f"exported {args.format} adapter to {path}")
     return 0
 

@@ -87,10 +87,31 @@ class Engine:
             raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
         return {n: step.upload(specs[n], a) for n, a in tensors.items() if n in specs}
 
-    def lora_to_device(self, lora: dict) -> dict:
-        step = self._artifact("train")
-        specs = {i["name"]: i for i in step.inputs}
-        return {n: step.upload(specs[n], a) for n, a in lora.items()}
+    # -- LoRA + optimizer state: flat per-bucket device buffers (see graphs/optimizer.Bucket) --
+    def set_state(self, lora: dict, m: dict, v: dict) -> None:
+        from lorac.graphs.optimizer import buckets, pack
+        import tvm
+        self._buckets = buckets(self.shapes)
+        dev = self._artifact("train")._dev
+        put = lambda d: {k: tvm.runtime.tensor(x, dev) for k, x in pack(self._buckets, d).items()}
+        self._p, self._m, self._v = put(lora), put(m), put(v)
+        self._views = self._make_views(self._p)
+
+    def _make_views(self, flats: dict) -> dict:
+        """Zero-copy [r, in] / [out, r] views of the flat param buffers for the training step."""
+        return {n: flats[b.key]._create_view(s, "float32", 4 * off)
+                for b in self._buckets for n, off, s in b.entries}
+
+    @property
+    def lora(self) -> dict:
+        """The current LoRA tensors as device views (feed them to step / eval / logits)."""
+        return self._views
+
+    def state_numpy(self):
+        """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
+        from lorac.graphs.optimizer import unpack
+        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
+        return get(self._p), get(self._m), get(self._v)
 
     # -- the compiled calls -------------------------------------------------------------
     def step(self, batch: dict, lora: dict) -> dict:
@@ -103,17 +124,23 @@ class Engine:
         step = self._artifact("eval")
         return float(step({**self._weights, **lora, **batch}, as_numpy=False)["loss"].numpy())
 
-    def update(self, lora: dict, grads: dict, m: dict, v: dict, lr_a: float, lr_b: float, t: int):
-        """One LoRA+ AdamW step on the device -> (lora, m, v, grad_norm, skipped)."""
+    def update(self, grads: dict, lr_a: float, lr_b: float, t: int):
+        """One LoRA+ AdamW step on the device over the flat state -> (grad_norm, skipped).
+        A skipped step (non-finite gradient norm) leaves the state as it was."""
         from lorac.graphs.optimizer import build_optimizer_graph
         opt = self._artifact("adamw", lambda: build_optimizer_graph(self.shapes, self.optim_cfg))
-        feeds = {**lora, **{f"{n}.grad": grads[f"{n}.grad"] for n in self.names},
-                 **{f"{n}.m": m[n] for n in self.names}, **{f"{n}.v": v[n] for n in self.names},
-                 "lr_a": np.float32(lr_a), "lr_b": np.float32(lr_b), "step": np.float32(t)}
+        feeds = {f"{n}.grad": grads[f"{n}.grad"] for n in self.names}
+        for k in self._p:
+            feeds.update({f"{k}.param": self._p[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
+        feeds.update(lr_a=np.float32(lr_a), lr_b=np.float32(lr_b), step=np.float32(t))
         out = opt(feeds, as_numpy=False)
-        new = lambda suffix: {n: out[f"{n}{suffix}"] for n in self.names}
-        return (new(".new"), new(".m.new"), new(".v.new"), float(out["grad_norm"].numpy()),
-                bool(float(out["skipped"].numpy())))
+        skipped = bool(float(out["skipped"].numpy()))
+        if not skipped:
+            self._p = {k: out[f"{k}.param.new"] for k in self._p}
+            self._m = {k: out[f"{k}.m.new"] for k in self._m}
+            self._v = {k: out[f"{k}.v.new"] for k in self._v}
+            self._views = self._make_views(self._p)
+        return float(out["grad_norm"].numpy()), skipped
 
     def logits(self, ids: np.ndarray, lora: dict) -> np.ndarray:
         """Logits [B', S', V] of a forward graph compiled for ids' shape (cached per shape)."""

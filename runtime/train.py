@@ -140,14 +140,14 @@ class Run:
         return dict(step=ck.step, updates=s["updates"], skipped=s["skipped"], lora=ck.lora, m=ck.m, v=ck.v,
                     data=s["data"], rng=rng_from_state(s["rng"]))
 
-    def save(self, st: dict, lora, m, v, batches) -> Path:
+    def save(self, st: dict, batches) -> Path:
         from .checkpoint import rng_state, save_checkpoint
-        from .engine import to_numpy
+        lora, m, v = self.engine.state_numpy()
         state = dict(updates=st["updates"], skipped=st["skipped"], data=batches.state(), rng=rng_state(st["rng"]),
                      model_hash=self.model_hash, graph_hash=self.engine.graph_hash,
                      train_config=_jsonable(asdict(self.cfg)), model_config=self.model_config)
-        return save_checkpoint(Path(self.cfg.out) / "checkpoints", st["step"], to_numpy(lora), to_numpy(m),
-                               to_numpy(v), state, keep=self.cfg.keep_checkpoints)
+        return save_checkpoint(Path(self.cfg.out) / "checkpoints", st["step"], lora, m, v, state,
+                               keep=self.cfg.keep_checkpoints)
 
     def evaluate(self, lora) -> float:
         """Mean loss over the first `eval_batches` eval batches (token-weighted)."""
@@ -219,8 +219,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
     st = run.resume_state(cfg.resume) if cfg.resume else run.fresh_state()
     batches = run.data.batches(cfg.batch, seed=cfg.seed, state=st["data"])
     eng = run.engine
-    lora = eng.lora_to_device(st["lora"])
-    m, v = eng.lora_to_device(st["m"]), eng.lora_to_device(st["v"])
+    eng.set_state(st["lora"], st["m"], st["v"])
     metrics = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
 
     def emit(rec):
@@ -229,11 +228,11 @@ def train(cfg: TrainConfig, log=None) -> dict:
 
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the step, save, exit
-    first_eval = run.evaluate(lora) if cfg.eval_batches else float("nan")
+    first_eval = run.evaluate(eng.lora) if cfg.eval_batches else float("nan")
     if not cfg.resume:
         emit(dict(step=st["step"], eval_loss=first_eval))
     log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
-    base_sample = show_sample(run, lora, "base model") if not cfg.resume else None
+    base_sample = show_sample(run, eng.lora, "base model") if not cfg.resume else None
     tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
     t_start = time.perf_counter()
     start_step = st["step"]
@@ -244,7 +243,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
         # forward + backward over grad_accum micro-batches; gradients averaged
         loss, grads = 0.0, None
         for _ in range(cfg.grad_accum):
-            res = eng.step(next(batches), lora)
+            res = eng.step(next(batches), eng.lora)
             loss += res.pop("loss") / cfg.grad_accum
             if cfg.grad_accum == 1:
                 grads = res
@@ -253,13 +252,12 @@ def train(cfg: TrainConfig, log=None) -> dict:
                 grads = part if grads is None else {k: grads[k] + part[k] for k in grads}
         if cfg.grad_accum > 1:
             grads = {k: g / cfg.grad_accum for k, g in grads.items()}
-        new_lora, new_m, new_v, gnorm, skipped = eng.update(lora, grads, m, v, lr_a, lr_b, st["updates"] + 1)
-        if skipped or not math.isfinite(loss):
-            st["skipped"] += 1  # a non-finite loss or gradient is never applied
+        gnorm, skipped = eng.update(grads, lr_a, lr_b, st["updates"] + 1)
+        if skipped:  # a non-finite gradient (a NaN loss makes one too) is never applied
+            st["skipped"] += 1
             log(f"step {st['step']}: non-finite loss/gradient (loss {loss}, grad norm {gnorm}); step skipped "
                 f"({st['skipped']} so far)")
         else:
-            lora, m, v = new_lora, new_m, new_v
             st["updates"] += 1
         dt = time.perf_counter() - t0
         done = st["step"] - start_step
@@ -269,23 +267,23 @@ def train(cfg: TrainConfig, log=None) -> dict:
         log(f"step {st['step']:5d}/{cfg.steps} | loss {loss:.4f} | lr {lr_a:.2e} | gnorm {gnorm:.3f} | "
             f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.0f} ms | eta {eta:5.0f} s")
         if cfg.eval_batches and (st["step"] % cfg.eval_every == 0 or st["step"] == cfg.steps):
-            ev = run.evaluate(lora)
+            ev = run.evaluate(eng.lora)
             emit(dict(step=st["step"], eval_loss=ev))
             log(f"eval loss after step {st['step']}: {ev:.4f}")
         if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
-            path = run.save(st, lora, m, v, batches)
+            path = run.save(st, batches)
             log(f"checkpoint: {path}")
     metrics.close()
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    final_eval = run.evaluate(lora) if cfg.eval_batches else float("nan")
+    final_eval = run.evaluate(eng.lora) if cfg.eval_batches else float("nan")
     log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
     summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
                    eval_loss_after=final_eval, interrupted=stop["now"], sample_base=base_sample,
-                   sample_adapted=show_sample(run, lora, "adapted") if not stop["now"] else None)
+                   sample_adapted=show_sample(run, eng.lora, "adapted") if not stop["now"] else None)
     if not stop["now"]:
         from .export import export_peft
         from .plot import plot_metrics
-        adapter = export_peft(out / "adapter", to_numpy(lora), alpha=cfg.alpha, use_rslora=cfg.rslora,
+        adapter = export_peft(out / "adapter", eng.state_numpy()[0], alpha=cfg.alpha, use_rslora=cfg.rslora,
                               base_model_name_or_path=run.source.name, num_hidden_layers=run.spec.layers)
         summary["adapter"] = str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))

@@ -102,6 +102,7 @@ def test_reference_skips_nonfinite_and_clips():
 
 # -- the ONNX optimizer graph ----------------------------------------------------------------
 def _graph_run_ref(run, params, cfg, steps=6, seed=2):
+    from lorac.graphs.optimizer import buckets, pack, unpack
     """Drive `run(feeds) -> outputs dict` and the reference side by side; compare each step.
 
     Steps: small grads (unclipped), large grads (clipped), a NaN step (skipped, step not
@@ -120,11 +121,16 @@ def _graph_run_ref(run, params, cfg, steps=6, seed=2):
             grads[k0][-1, -1] = np.inf
         lr_a, lr_b = group_lrs(step, cfg)
         ref = adamw_step_reference(params, grads, m, v, step, lr_a, lr_b, cfg)
-        feeds = {**gp, **{f"{k}.grad": x for k, x in grads.items()}, **{f"{k}.m": x for k, x in gm.items()},
-                 **{f"{k}.v": x for k, x in gv.items()},
+        bks = buckets({k: p.shape for k, p in params.items()})
+        flat = lambda d, suffix: {f"{key}{suffix}": x for key, x in pack(bks, d).items()}
+        feeds = {**flat(gp, ".param"), **flat(gm, ".m"), **flat(gv, ".v"), **{f"{k}.grad": x for k, x in grads.items()},
                  "lr_a": np.array(lr_a, np.float32), "lr_b": np.array(lr_b, np.float32),
                  "step": np.array(step, np.float32)}
-        out = run(feeds)
+        res = run(feeds)
+        out = {"grad_norm": res["grad_norm"], "skipped": res["skipped"]}
+        for suffix, new in ((".param.new", ".new"), (".m.new", ".m.new"), (".v.new", ".v.new")):
+            per = unpack(bks, {b.key: res[b.key + suffix] for b in bks})
+            out.update({f"{k}{new}": x for k, x in per.items()})
         assert bool(out["skipped"]) == ref.skipped, i
         if ref.skipped:
             skipped_seen += 1
