@@ -1,0 +1,166 @@
+"""End to end on a tiny random HF model directory made here: training learns, resume is exact,
+Ctrl-C saves, the exported adapter loads in PEFT and transformers with lorac's logits."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiny_model import make_corpus, make_model_dir
+
+pytest.importorskip("tvm")
+LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e")
+    make_model_dir(d / "model")
+    make_corpus(d / "corpus.txt", 240)
+    return d
+
+
+def _train_args(d, out, steps, *extra):
+    return ["train", "--model", str(d / "model"), "--data", str(d / "corpus.txt"), "--out", str(out),
+            "--steps", str(steps), "--batch", "4", "--seq", "32", "--lr", "2e-3", "--eval-every", "10",
+            "--save-every", "5", "--cache-dir", str(d / "cache"), "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+            *extra]
+
+
+def _run(args, **kw):
+    return subprocess.run(LORAC + args, capture_output=True, text=True, timeout=600, **kw)
+
+
+def _records(out):
+    return [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(workdir):
+    out = workdir / "run"
+    r = _run(_train_args(workdir, out, 30))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def test_training_and_eval_loss_drop(trained):
+    recs = _records(trained)
+    assert "eval_loss" in recs[0] and recs[0]["step"] == 0  # the first eval runs before step 1
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    assert all({"step", "loss", "lr", "tokens_per_s"} <= set(r) for r in steps)
+    losses = [r["loss"] for r in steps]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.1
+    evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
+    assert evals[-1] < evals[0] - 0.1
+    summary = json.loads((trained / "summary.json").read_text())
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    assert (trained / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (trained / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def _lorac_logits(workdir, lora, ids):
+    """Logits of lorac's compiled forward graph with the given adapter."""
+    from lorac.graphs import ModelSpec, TrainSpec
+    from lorac.runtime.engine import Engine
+    from lorac.runtime.weights import load_model
+    cfg, weights = load_model(workdir / "model")
+    spec = ModelSpec.from_hf_config(cfg)
+    train = TrainSpec(batch=1, seq=ids.shape[1], lora_targets=tuple(spec.targets), rank=16, alpha=32.0)
+    eng = Engine(spec, train, weights, "cpu", cache_dir=workdir / "cache")
+    return eng.logits(ids, lora)
+
+
+def test_peft_and_merged_exports_match_lorac_logits(workdir, trained):
+    import torch
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+    lora = load_file(str(trained / "adapter" / "adapter_model.safetensors"))
+    assert any(np.abs(v).max() > 0 for k, v in lora.items() if "lora_B" in k)
+    ids = np.random.default_rng(0).integers(0, 60, (1, 24)).astype(np.int64)
+    ours = _lorac_logits(workdir, lora, ids)
+    base = AutoModelForCausalLM.from_pretrained(workdir / "model").float().eval()
+    peft = PeftModel.from_pretrained(base, trained / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, np.abs(theirs).max())
+    merged = workdir / "merged"
+    r = _run(["export", "--checkpoint", str(trained / "checkpoints"), "--format", "merged", "--out", str(merged)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = AutoModelForCausalLM.from_pretrained(merged).float().eval()
+    with torch.no_grad():
+        merged_logits = m(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(ours - merged_logits).max() <= 1e-4 * max(1.0, np.abs(merged_logits).max())
+    r = _run(["export", "--checkpoint", str(trained / "checkpoints"), "--format", "gguf", "--out", str(workdir / "a.gguf")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (workdir / "a.gguf").stat().st_size > 0
+
+
+def test_ctrl_c_saves_and_resume_equals_uninterrupted_run(workdir, trained):
+    out = workdir / "interrupted"
+    p = subprocess.Popen(LORAC + _train_args(workdir, out, 30, "--save-every", "100"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        time.sleep(0.2)
+        if (out / "metrics.jsonl").exists() and sum('"loss"' in l for l in (out / "metrics.jsonl").read_text().splitlines()) >= 7:
+            break
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert (out / "checkpoints" / "latest").is_file()
+    stopped = max(r["step"] for r in _records(out) if "loss" in r)
+    assert 7 <= stopped < 30
+    r = _run(_train_args(workdir, out, 30, "--save-every", "100", "--resume", str(out / "checkpoints")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
+    ref = {r["step"]: r["loss"] for r in _records(trained) if "loss" in r}
+    assert sorted(got) == list(range(1, 31))
+    for s in range(1, 31):
+        assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--targets", "q_proj,fc9"], "fc9 not in a qwen3 model; valid targets"),
+    (["--seq", "1"], "seq must be >= 2"),
+])
+def test_bad_flags_give_one_line(workdir, extra, match):
+    r = _run(_train_args(workdir, workdir / "bad", 3, *extra))
+    assert r.returncode == 2
+    assert match in r.stderr and "Traceback" not in r.stderr
+    assert not (workdir / "bad" / "checkpoints").exists()
+
+
+def test_bad_inputs_give_one_line(workdir, trained, tmp_path):
+    # missing model, empty dataset, a corrupt safetensors file, token ids beyond the model's vocab,
+    # a checkpoint from another model
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / f).write_bytes((workdir / "model" / f).read_bytes())
+    (broken / "model.safetensors").write_bytes((workdir / "model" / "model.safetensors").read_bytes()[:1000])
+    small = make_model_dir(tmp_path / "small_vocab", vocab_size=40)
+    other = make_model_dir(tmp_path / "other", hidden_size=24, head_dim=6)
+    cases = [
+        (["--model", str(tmp_path / "nope")], "model not found"),
+        (["--data", str(empty)], "empty"),
+        (["--model", str(broken)], "model.safetensors"),
+        (["--model", str(small)], "vocab"),
+        (["--model", str(other), "--resume", str(trained / "checkpoints")], "another model"),
+    ]
+    for extra, match in cases:
+        r = _run(_train_args(workdir, tmp_path / "o", 2, *extra))
+        assert r.returncode == 2, (extra, r.stderr[-1500:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("lorac: error:") and match in last, (extra, last)
+        assert "Traceback" not in r.stderr
