@@ -1,0 +1,62 @@
+"""Build everything one H200 run of bench/h200_check.py needs, into a carried folder.
+
+    .venv/bin/python bench/prepare_h200.py .devrun-compiler
+
+Writes: art/ (CUDA artifacts of the 40M Qwen3 and Qwen3-0.6B shapes, a CPU fp32 artifact
+and its reference outputs), site/tvm (TVM without its compiler library: what a user's
+GPU machine would install), whl/ (the cp312 tvm-ffi wheel for the device's Python).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tvm  # noqa: F401 - only to locate the installed package
+
+from lorac.compiler import compile_graph
+from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
+
+QWEN3_40M = dict(arch="qwen3", vocab=32000, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64,
+                 intermediate=1408, qk_norm=True)
+QWEN3_06B = dict(arch="qwen3", vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
+                 intermediate=3072, qk_norm=True, rope_theta=1e6)
+BUILDS = [  # (name, model, B, S, dtype, target)
+    ("40m", QWEN3_40M, 4, 256, "float32", "cpu"),
+    ("40m", QWEN3_40M, 4, 256, "float32", "cuda"),
+    ("40m", QWEN3_40M, 4, 256, "bfloat16", "cuda"),
+    ("40m", QWEN3_40M, 8, 1024, "float32", "cuda"),
+    ("40m", QWEN3_40M, 8, 1024, "bfloat16", "cuda"),
+    ("q06", QWEN3_06B, 8, 1024, "bfloat16", "cuda"),
+    ("q06", QWEN3_06B, 1, 512, "bfloat16", "cuda"),
+]
+
+
+def main(root: Path) -> None:
+    art = root / "art"
+    art.mkdir(parents=True, exist_ok=True)
+    for name, model, B, S, dtype, target in BUILDS:
+        train = TrainSpec(batch=B, seq=S, rank=16, alpha=32, lora_targets=tuple(ALL_TARGETS))
+        graph = build_training_graph(ModelSpec(**model), train)
+        out = art / f"{name}-{dtype}-{B}x{S}" if target == "cuda" else art / f"{name}-{dtype}-{B}x{S}-{target}"
+        t = time.perf_counter()
+        compile_graph(graph, target=target, out_dir=out, dtype=dtype)
+        print(f"{out.name}: {time.perf_counter() - t:.1f} s", flush=True)
+    subprocess.run([sys.executable, str(Path(__file__).with_name("h200_check.py")), "reference", str(art)], check=True)
+
+    # TVM as a GPU machine would have it: no libtvm_compiler.so, no 3rdparty headers
+    src = Path(tvm.__file__).parent
+    dst = root / "site" / "tvm"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("libtvm_compiler.so", "3rdparty", "__pycache__", "*.pyc"))
+    whl = root / "whl"
+    if not list(whl.glob("apache_tvm_ffi-*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                        "-d", str(whl), "apache-tvm-ffi==0.1.15.post2"], check=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
