@@ -9,7 +9,8 @@ Written as K shifted slices of a front-padded x times a per-channel weight row, 
 ONNX Conv: K is tiny (4), the K Mul/Add nodes fuse into one elementwise loop in TVM and
 ORT, the backward is the same construction with the padding at the back (a correlation
 with the taps reversed) instead of a ConvTranspose, and no depthwise-conv schedule is
-needed on targets where TVM has only generic ones.
+needed on targets where TVM has only generic ones. Chained Adds rather than one variadic Sum:
+onnxruntime-training (oracle 3) has no gradient for Sum.
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def conv_forward(g, x, w, bias, seq: int, channels: int, kernel: int):
     # y[t] = sum_k w[k] xp[t + k], xp = x with K-1 zeros in front
     taps = _taps(g, w, channels, kernel)
     xp = _pad_time(g, x, kernel - 1, 0) if kernel > 1 else x
-    terms = [g.op("Mul", g.slice(xp, k, k + seq, 1), taps[k]) for k in range(kernel)]
-    y = terms[0] if kernel == 1 else g.op("Sum", *terms)
-    return y if bias is None else g.op("Add", y, bias)
+    y = bias
+    for k in range(kernel):
+        term = g.op("Mul", g.slice(xp, k, k + seq, 1), taps[k])
+        y = term if y is None else g.op("Add", y, term)
+    return y
 
 
 def conv_backward(g, dy, w, seq: int, channels: int, kernel: int):
@@ -40,5 +43,8 @@ def conv_backward(g, dy, w, seq: int, channels: int, kernel: int):
     taps = _taps(g, w, channels, kernel)
     dyp = _pad_time(g, dy, 0, kernel - 1) if kernel > 1 else dy
     s = kernel - 1
-    terms = [g.op("Mul", g.slice(dyp, s - k, s - k + seq, 1), taps[k]) for k in range(kernel)]
-    return terms[0] if kernel == 1 else g.op("Sum", *terms)
+    dx = None
+    for k in range(kernel):
+        term = g.op("Mul", g.slice(dyp, s - k, s - k + seq, 1), taps[k])
+        dx = term if dx is None else g.op("Add", dx, term)
+    return dx

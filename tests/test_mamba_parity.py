@@ -131,3 +131,13 @@ def test_spec_from_hf_config_and_refusals():
     with pytest.raises(ValueError, match="scan_chunk"):
         build_training_graph(ModelSpec.from_hf_config(base),
                              TrainSpec(batch=1, seq=4, lora_targets=MAMBA_TARGETS, extra={"scan_chunk": 0}))
+
+
+def test_checkpointing_lowers_peak_live_bytes():
+    from lorac.graphs.memory import peak_live_bytes
+    spec = ModelSpec.from_hf_config(dict(CFG, num_hidden_layers=6))
+    kw = dict(batch=2, seq=32, lora_targets=MAMBA_TARGETS, rank=4, alpha=8, extra={"scan_chunk": 4})
+    plain = peak_live_bytes(build_training_graph(spec, TrainSpec(**kw)))
+    ckpt = peak_live_bytes(build_training_graph(spec, TrainSpec(checkpointing=True, **kw)))
+    assert ckpt < 0.6 * plain, (ckpt, plain)
+
