@@ -25,30 +25,48 @@ from .errors import LoracError
 DEVICE_OF = {"cpu": "cpu", "cuda": "cuda"}
 
 
-def graph_hash(model) -> str:
-    return hashlib.sha256(model.SerializeToString()).hexdigest()
+def _graphs_digest() -> bytes:
+    """sha256 over the source of lorac.graphs and lorac.compiler: any change to an emitter or
+    to the compiler changes every key (found without importing the compiler or TVM)."""
+    import importlib.util
+    h = hashlib.sha256()
+    for pkg in ("lorac.graphs", "lorac.compiler"):
+        for folder in importlib.util.find_spec(pkg).submodule_search_locations:
+            for f in sorted(Path(folder).glob("*.py")):
+                h.update(f.name.encode() + f.read_bytes())
+    return h.digest()
 
 
-def compiled(model, kind: str, target: str, dtype: str, cache_dir, log=None):
-    """Path of the artifact for `model`, compiling it into the cache when missing."""
-    sha = graph_hash(model)
-    art = Path(cache_dir) / f"{kind}-{target}-{dtype}-{sha[:16]}"
+def graph_key(kind: str, *parts) -> str:
+    """Identity of a graph from what it is emitted from (emitter source + specs), so a cached
+    artifact is found without re-emitting the graph, on any machine with the same sources
+    (the runtime-only GPU machine has neither the compiler nor lorac's onnx pin)."""
+    h = hashlib.sha256(_graphs_digest() + kind.encode())
+    for p in parts:
+        h.update(repr(p).encode())
+    return h.hexdigest()
+
+
+def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None):
+    """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss."""
+    art = Path(cache_dir) / f"{kind}-{target}-{dtype}-{key[:16]}"
     if (art / "manifest.json").is_file():
-        return art, sha
+        return art
     from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
     t0 = time.perf_counter()
+    model = build()
     if log:
         log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes) ...")
     compile_graph(model, target=target, out_dir=art, dtype=dtype)
     if log:
         log(f"compiled the {kind} graph in {time.perf_counter() - t0:.1f} s -> {art}")
-    return art, sha
+    return art
 
 
 class Engine:
     def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
                  cache_dir=".lorac-cache", optim_cfg=None, log=None):
-        from lorac.graphs import build_training_graph, lora_tensor_names
+        from lorac.graphs import lora_tensor_names
         if target not in DEVICE_OF:
             raise LoracError(f"lorac runs on cpu or cuda; compile other targets with `lorac compile` (got {target!r})")
         self.spec, self.train, self.target = spec, train, target
@@ -58,19 +76,21 @@ class Engine:
         self.names = lora_tensor_names(spec, train)
         self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
         self.optim_cfg = optim_cfg
-        self.graph_hash = graph_hash(build_training_graph(spec, train))
+        self.graph_hash = graph_key("train", spec, train)
         self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
         self._weights = None
         self._arts: dict = {}
 
-    def _artifact(self, kind: str, build=None):
+    def _artifact(self, kind: str, build=None, key_parts=None):
         """The loaded artifact of graph `kind`, compiled on first use."""
         if kind not in self._arts:
             from lorac.graphs import build_eval_graph, build_training_graph
-            model = build() if build else {"train": build_training_graph, "eval": build_eval_graph}[kind](
-                self.spec, self.train)
+            if build is None:
+                emit = {"train": build_training_graph, "eval": build_eval_graph}[kind]
+                build, key_parts = (lambda: emit(self.spec, self.train)), (self.spec, self.train)
             dtype = "float32" if kind == "adamw" else self.dtype
-            art, _ = compiled(model, kind.split(":")[0], self.target, dtype, self.cache_dir, self.log)
+            name = kind.split(":")[0]
+            art = compiled(build, graph_key(name, *key_parts), name, self.target, dtype, self.cache_dir, self.log)
             self._arts[kind] = load_artifact(art, self.device)
             if self._weights is None and kind != "adamw":
                 self._weights = self._upload(self._arts[kind], self._host_weights)
@@ -128,7 +148,9 @@ class Engine:
         """One LoRA+ AdamW step on the device over the flat state -> (grad_norm, skipped).
         A skipped step (non-finite gradient norm) leaves the state as it was."""
         from lorac.graphs.optimizer import build_optimizer_graph
-        opt = self._artifact("adamw", lambda: build_optimizer_graph(self.shapes, self.optim_cfg))
+        c = self.optim_cfg  # lr and step are inputs; only these settings are baked into the graph
+        opt = self._artifact("adamw", lambda: build_optimizer_graph(self.shapes, c),
+                             (self.shapes, tuple(c.betas), c.eps, c.weight_decay, c.max_grad_norm))
         feeds = {f"{n}.grad": grads[f"{n}.grad"] for n in self.names}
         for k in self._p:
             feeds.update({f"{k}.param": self._p[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
@@ -148,7 +170,7 @@ class Engine:
         t = self.train
         fwd = TrainSpec(batch=ids.shape[0], seq=ids.shape[1], lora_targets=t.lora_targets, rank=t.rank,
                         alpha=t.alpha, rslora=t.rslora, trained_layers=t.trained_layers)
-        step = self._artifact(f"forward:{ids.shape}", lambda: build_forward_graph(self.spec, fwd))
+        step = self._artifact(f"forward:{ids.shape}", lambda: build_forward_graph(self.spec, fwd), (self.spec, fwd))
         # the forward artifact takes the frozen weights in the same dtypes: share the device copies
         return step({**self._weights, **lora, "input_ids": ids})["logits"]
 
