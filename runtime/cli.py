@@ -19,10 +19,12 @@ TRAIN_HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
     "data": "training data: .txt, or .jsonl with text / prompt+completion / chat messages "
             "(default: the bundled Jargon File Q&A corpus)",
+    "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
     "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/",
     "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
-    "targets": f"comma-separated LoRA targets (default: all of {','.join(ALL_TARGETS)})",
+    "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
+               "in_proj,x_proj,dt_proj,out_proj for Mamba)",
     "trained_layers": "adapt only layers A:B (no backward below A)",
     "lr": "learning rate of the LoRA A matrices", "loraplus_ratio": "LoRA+ ratio: lr(B) = ratio * lr(A)",
     "warmup": "linear warmup steps (then cosine decay to lr/10)", "weight_decay": "AdamW decoupled weight decay",
@@ -50,11 +52,12 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help_ = TRAIN_HELP.get(f.name, "")
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=None, help=help_)
-        elif f.name == "targets":
+        elif f.name in ("targets", "trained_layers"):
             p.add_argument(flag, default=None, help=help_)
         else:
             kind = type(default) if default is not None else str
-            p.add_argument(flag, type=kind, default=None, help=f"{help_} (default: {default})")
+            shown = f" (default: {default})" if default is not None else ""
+            p.add_argument(flag, type=kind, default=None, help=help_ + shown)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:

@@ -33,7 +33,7 @@ class TrainConfig:
     rank: int = 16
     alpha: float = 32.0  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
     rslora: bool = False
-    targets: tuple[str, ...] = ALL_TARGETS  # all linear layers: what LoRA+ and QLoRA studies train
+    targets: tuple[str, ...] | None = None  # None: every linear layer of the family (QLoRA/LoRA+ practice)
     trained_layers: str | None = None  # "A:B" adapts layers A..B-1 only (frozen prefix below A)
     lr: float = 2e-4  # lr of the A matrices; B gets lr * loraplus_ratio
     loraplus_ratio: float = 16.0
@@ -107,7 +107,7 @@ class Run:
         self.log(f"model: {self.source.describe()}")
         self.model_config, weights, self.tokenizer = self.source.load()
         self.spec = ModelSpec.from_hf_config(self.model_config)
-        self.train_spec = TrainSpec(batch=cfg.batch, seq=cfg.seq, lora_targets=tuple(cfg.targets), rank=cfg.rank,
+        self.train_spec = TrainSpec(batch=cfg.batch, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk)
         self.train_spec.validate(self.spec)
