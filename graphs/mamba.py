@@ -31,7 +31,7 @@ from .norm import rmsnorm_backward, rmsnorm_forward
 from .scan import ScanDims, scan_backward, scan_forward
 from .spec import TrainSpec
 
-DEFAULT_CHUNK = 8  # FLOPs and transient memory of the scan grow with L, graph size with S / L
+DEFAULT_CHUNK = 4  # scan FLOPs and transient memory grow with L; fastest compiled CPU point (docs/MAMBA.md)
 _DEPTH = {"out_proj": 0, "dt_proj": 1, "x_proj": 2, "in_proj": 3}  # how far down a backward must reach
 
 
