@@ -115,6 +115,8 @@ class Engine:
         dev = self._artifact("train")._dev
         put = lambda d: {k: tvm.runtime.tensor(x, dev) for k, x in pack(self._buckets, d).items()}
         self._p, self._m, self._v = put(lora), put(m), put(v)
+        self._g = {k: tvm.runtime.empty((x.shape[0],), "float32", dev) for k, x in self._p.items()}
+        self._g_views = self._make_views(self._g)  # the step's gradients are copied in here
         self._views = self._make_views(self._p)
 
     def _make_views(self, flats: dict) -> dict:
@@ -151,9 +153,15 @@ class Engine:
         c = self.optim_cfg  # lr and step are inputs; only these settings are baked into the graph
         opt = self._artifact("adamw", lambda: build_optimizer_graph(self.shapes, c),
                              (self.shapes, tuple(c.betas), c.eps, c.weight_decay, c.max_grad_norm))
-        feeds = {f"{n}.grad": grads[f"{n}.grad"] for n in self.names}
+        for n in self.names:  # device-to-device copies into the flat gradient buffers
+            g = grads[f"{n}.grad"]
+            if isinstance(g, np.ndarray):
+                self._g_views[n].copyfrom(np.ascontiguousarray(g, np.float32))
+            else:
+                g.copyto(self._g_views[n])
+        feeds = {}
         for k in self._p:
-            feeds.update({f"{k}.param": self._p[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
+            feeds.update({f"{k}.param": self._p[k], f"{k}.grad": self._g[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
         feeds.update(lr_a=np.float32(lr_a), lr_b=np.float32(lr_b), step=np.float32(t))
         out = opt(feeds, as_numpy=False)
         skipped = bool(float(out["skipped"].numpy()))

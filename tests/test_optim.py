@@ -123,7 +123,7 @@ def _graph_run_ref(run, params, cfg, steps=6, seed=2):
         ref = adamw_step_reference(params, grads, m, v, step, lr_a, lr_b, cfg)
         bks = buckets({k: p.shape for k, p in params.items()})
         flat = lambda d, suffix: {f"{key}{suffix}": x for key, x in pack(bks, d).items()}
-        feeds = {**flat(gp, ".param"), **flat(gm, ".m"), **flat(gv, ".v"), **{f"{k}.grad": x for k, x in grads.items()},
+        feeds = {**flat(gp, ".param"), **flat(gm, ".m"), **flat(gv, ".v"), **flat(grads, ".grad"),
                  "lr_a": np.array(lr_a, np.float32), "lr_b": np.array(lr_b, np.float32),
                  "step": np.array(step, np.float32)}
         res = run(feeds)
