@@ -1,27 +1,18 @@
-"""Llama / Mistral / Qwen2 / Qwen3 decoder: one ONNX graph for the loss and every LoRA gradient.
+"""Llama / Mistral / Qwen2 / Qwen3 decoder layers, forward and backward (a family for compose.py).
 
 Shape legend: B batch, S seq, N = B*S tokens, D hidden, H heads, K kv heads, G = H/K,
 Dh head dim, I intermediate, V vocab, r LoRA rank.
-
-Emission order is execution order: the forward over all layers (keeping what each layer's
-backward needs, or only the layer input with checkpointing), the head and loss with its
-gradient, then the layers' backward from the top down to the lowest trained layer. Nothing
-below that layer gets a backward node (frozen prefix).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import onnx
-
 from .attention import attention_backward, attention_forward, causal_mask
-from .builder import INT64, GraphBuilder
+from .builder import GraphBuilder
 from .linear import Proj, linear_backward, linear_forward
-from .loss import logits_forward, loss_and_grad, loss_only
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
-from .mamba_spec import MambaSpec
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
 
 
@@ -150,107 +141,16 @@ def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
     return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s["n1"]))
 
 
-def _embed(g, embed, ids, spec, train):
-    return g.reshape(g.op("Gather", embed, ids, axis=0), train.batch * train.seq, spec.hidden)
-
-
-def build_training_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
-    """Loss and the exact gradient of every LoRA tensor, in one graph (see module doc).
-
-    `dtype` is the float type of every weight and activation: float32 for training (the
-    compiler lowers GEMMs to bf16 on GPUs), float64 for finite-difference checks.
-    """
-    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
-        from . import mamba
-        return mamba.build_training_graph(spec, train, dtype)
-    train.validate(spec)
-    g = GraphBuilder(f"lorac_train_{spec.arch}", _float(dtype))
-    B, S = train.batch, train.seq
-    ids = g.input("input_ids", [B, S], INT64)
-    labels = g.input("labels", [B, S], INT64)
-    embed, layers, final_norm, head = declare_weights(g, spec, train)
-    c = Ctx(g, spec, train)
-    trained = train.layers(spec)
-    lowest = trained[0]
-
-    g.scope = "fwd"
-    x = _embed(g, embed, ids, spec, train)
-    inputs, saved = [], []
-    for L in layers:
-        g.scope = f"L{L.idx}.fwd"
-        inputs.append(x)
-        x, s = layer_forward(c, x, L)
-        saved.append(None if (train.checkpointing or L.idx < lowest) else s)
-    g.scope = "head"
-    hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
-    loss, dhN = loss_and_grad(g, hN, head, labels, B, S, spec.vocab, train.loss_chunk)
-    dx = rmsnorm_backward(g, dhN, final_norm, nN)
-
-    grads: dict = {}
-    for L in reversed(layers[lowest:]):
-        g.scope = f"L{L.idx}.bwd"
-        s = saved[L.idx]
-        if s is None:  # checkpointing: recompute this layer's forward from its kept input
-            _, s = layer_forward(c, inputs[L.idx], L)
-        dx = layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
-    g.scope = "out"
-    g.output(g.reshape(loss, ), "loss")
-    for name in lora_tensor_names(spec, train):
-        g.output(grads[name], name + ".grad")
-    return g.finish(doc=_doc(spec, train, "training"))
-
-
-def build_forward_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
-    """Logits [B, S, V] of base + adapter (eval and generation); same inputs minus labels."""
-    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
-        from . import mamba
-        return mamba.build_forward_graph(spec, train, dtype)
-    g, hN, head = _forward_only(spec, train, dtype, "forward")
-    B, S = train.batch, train.seq
-    g.output(g.reshape(logits_forward(g, hN, head), B, S, spec.vocab), "logits")
-    return g.finish(doc=_doc(spec, train, "forward"))
-
-
-def build_eval_graph(spec: ModelSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
-    """The training graph's loss without any backward node (eval loss; autodiff oracles)."""
-    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
-        from . import mamba
-        return mamba.build_eval_graph(spec, train, dtype)
-    g, hN, head = _forward_only(spec, train, dtype, "eval")
-    labels = g.input("labels", [train.batch, train.seq], INT64)
-    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk)), "loss")
-    return g.finish(doc=_doc(spec, train, "eval"))
-
-
-def _forward_only(spec, train, dtype, kind):
-    train.validate(spec)
-    g = GraphBuilder(f"lorac_{kind}_{spec.arch}", _float(dtype))
-    ids = g.input("input_ids", [train.batch, train.seq], INT64)
-    embed, layers, final_norm, head = declare_weights(g, spec, train)
-    c = Ctx(g, spec, train)
-    x = _embed(g, embed, ids, spec, train)
-    for L in layers:
-        g.scope = f"L{L.idx}.fwd"
-        x, _ = layer_forward(c, x, L)
-    g.scope = "head"
-    hN, _ = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
-    return g, hN, head
+def embed(g, table, ids, spec, train):
+    """Token embedding: Gather rows of the frozen table -> [N, D] (frozen: no backward)."""
+    return g.reshape(g.op("Gather", table, ids, axis=0), train.batch * train.seq, spec.hidden)
 
 
 def lora_tensor_names(spec: ModelSpec, train: TrainSpec) -> list[str]:
     """Every LoRA tensor of the graph in output order: by layer, target, then A before B."""
-    if isinstance(spec, MambaSpec):  # the Mamba-1 family: graphs/mamba.py
-        from . import mamba
-        return mamba.lora_tensor_names(spec, train)
     return [lora_name(i, t, w) for i in train.layers(spec) for t in ALL_TARGETS if t in train.lora_targets
             for w in ("A", "B")]
 
 
-def _float(dtype):
-    if str(dtype) not in ("float32", "float64"):
-        raise ValueError(f"graph dtype must be float32 or float64, got {dtype!r}")
-    return str(dtype)
-
-
-def _doc(spec: ModelSpec, train: TrainSpec, kind: str) -> str:
+def describe(spec: ModelSpec, train: TrainSpec, kind: str) -> str:
     return f"lorac {kind} graph; model {spec}; train {train}"

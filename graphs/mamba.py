@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import onnx
 
-from .builder import INT64, GraphBuilder
+from .builder import GraphBuilder
 from .conv import conv_backward, conv_forward
-from .decoder import _embed, _float
+from .decoder import embed  # noqa: F401 - the same token embedding (compose.py calls it)
 from .linear import Proj, linear_backward, linear_forward
-from .loss import logits_forward, loss_and_grad, loss_only
 from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
@@ -63,7 +61,7 @@ class Ctx:
 def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
     """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
     D, I, M, K = spec.hidden, spec.intermediate, spec.state, spec.conv_kernel
-    embed = g.input("backbone.embeddings.weight", [spec.vocab, D])
+    table = g.input("backbone.embeddings.weight", [spec.vocab, D])
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -82,8 +80,8 @@ def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
             L.proj[t] = p
         layers.append(L)
     final_norm = g.input("backbone.norm_f.weight", [D])
-    head = embed if spec.tied else g.input("lm_head.weight", [spec.vocab, D])
-    return embed, layers, final_norm, head
+    head = table if spec.tied else g.input("lm_head.weight", [spec.vocab, D])
+    return table, layers, final_norm, head
 
 
 def silu_forward(g, x):
@@ -168,79 +166,11 @@ def layer_backward(c: Ctx, dy, L: MambaLayer, s: dict, need_dx: bool, grads: dic
     return g.op("Add", dy, rmsnorm_backward(g, dh, L.norm, s["nrm"]))
 
 
-def build_training_graph(spec: MambaSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
-    """Loss and the exact gradient of every LoRA tensor, in one graph (see module doc)."""
-    train.validate(spec)
-    g = GraphBuilder("lorac_train_mamba", _float(dtype))
-    B, S = train.batch, train.seq
-    ids = g.input("input_ids", [B, S], INT64)
-    labels = g.input("labels", [B, S], INT64)
-    embed, layers, final_norm, head = declare_weights(g, spec, train)
-    c = Ctx(g, spec, train)
-    lowest = train.layers(spec)[0]
-
-    g.scope = "fwd"
-    x = _embed(g, embed, ids, spec, train)
-    inputs, saved = [], []
-    for L in layers:
-        g.scope = f"L{L.idx}.fwd"
-        inputs.append(x)
-        x, s = layer_forward(c, x, L)
-        saved.append(None if (train.checkpointing or L.idx < lowest) else s)
-    g.scope = "head"
-    hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
-    loss, dhN = loss_and_grad(g, hN, head, labels, B, S, spec.vocab, train.loss_chunk)
-    dx = rmsnorm_backward(g, dhN, final_norm, nN)
-
-    grads: dict = {}
-    for L in reversed(layers[lowest:]):
-        g.scope = f"L{L.idx}.bwd"
-        s = saved[L.idx]
-        if s is None:  # checkpointing: recompute this layer's forward from its kept input
-            _, s = layer_forward(c, inputs[L.idx], L)
-        dx = layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
-    g.scope = "out"
-    g.output(g.reshape(loss), "loss")
-    for name in lora_tensor_names(spec, train):
-        g.output(grads[name], name + ".grad")
-    return g.finish(doc=_doc(spec, train, "training"))
-
-
-def build_forward_graph(spec: MambaSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
-    """Logits [B, S, V] of base + adapter; same inputs as training minus labels."""
-    g, hN, head = _forward_only(spec, train, dtype, "forward")
-    g.output(g.reshape(logits_forward(g, hN, head), train.batch, train.seq, spec.vocab), "logits")
-    return g.finish(doc=_doc(spec, train, "forward"))
-
-
-def build_eval_graph(spec: MambaSpec, train: TrainSpec, dtype="float32") -> onnx.ModelProto:
-    """The training graph's loss without any backward node (eval loss; autodiff oracles)."""
-    g, hN, head = _forward_only(spec, train, dtype, "eval")
-    labels = g.input("labels", [train.batch, train.seq], INT64)
-    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk)), "loss")
-    return g.finish(doc=_doc(spec, train, "eval"))
-
-
-def _forward_only(spec, train, dtype, kind):
-    train.validate(spec)
-    g = GraphBuilder(f"lorac_{kind}_mamba", _float(dtype))
-    ids = g.input("input_ids", [train.batch, train.seq], INT64)
-    embed, layers, final_norm, head = declare_weights(g, spec, train)
-    c = Ctx(g, spec, train)
-    x = _embed(g, embed, ids, spec, train)
-    for L in layers:
-        g.scope = f"L{L.idx}.fwd"
-        x, _ = layer_forward(c, x, L)
-    g.scope = "head"
-    hN, _ = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
-    return g, hN, head
-
-
 def lora_tensor_names(spec: MambaSpec, train: TrainSpec) -> list[str]:
     """Every LoRA tensor of the graph in output order: by layer, target, then A before B."""
     return [lora_name(i, t, w) for i in train.layers(spec) for t in MAMBA_TARGETS if t in train.lora_targets
             for w in ("A", "B")]
 
 
-def _doc(spec: MambaSpec, train: TrainSpec, kind: str) -> str:
+def describe(spec: MambaSpec, train: TrainSpec, kind: str) -> str:
     return f"lorac {kind} graph; model {spec}; train {train}; scan chunk {scan_chunk(spec, train)}"

@@ -92,7 +92,6 @@ def test_onnxruntime_training_autodiff_agrees():
     """Oracle 3: ORT-training differentiates lorac's eval graph; its LoRA gradients must match ours."""
     art = pytest.importorskip("onnxruntime.training.artifacts")
     from onnxruntime.training.api import CheckpointState, Module
-    import onnx
     from onnx import numpy_helper
     train = TrainSpec(batch=2, seq=6, lora_targets=ALL_TARGETS, rank=3, alpha=6)
     spec, feeds = _feeds(CFG, train)

@@ -1,7 +1,6 @@
 """End to end on a tiny random HF model directory made here: training learns, resume is exact,
 Ctrl-C saves, the exported adapter loads in PEFT and transformers with lorac's logits."""
 import json
-import os
 import signal
 import subprocess
 import sys

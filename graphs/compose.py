@@ -1,0 +1,100 @@
+"""How every model family becomes one graph: the public `build_*_graph` functions.
+
+A family module (graphs/decoder.py, graphs/mamba.py) provides `declare_weights`, `Ctx`,
+`embed`, `layer_forward`, `layer_backward`, `lora_tensor_names` and `describe`; this file
+composes them. Emission order is execution order: the forward over all layers (keeping
+what each layer's backward needs, or only the layer input with checkpointing), the head
+and loss with its gradient, then the layers' backward from the top down to the lowest
+trained layer. Nothing below that layer gets a backward node (frozen prefix).
+"""
+from __future__ import annotations
+
+import onnx
+
+from .builder import INT64, GraphBuilder
+from .loss import logits_forward, loss_and_grad, loss_only
+from .mamba_spec import MambaSpec
+from .norm import rmsnorm_backward, rmsnorm_forward
+
+
+def family(spec):
+    from . import decoder, mamba
+    return mamba if isinstance(spec, MambaSpec) else decoder
+
+
+def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
+    """Loss and the exact gradient of every LoRA tensor, in one graph.
+
+    `dtype` is the float type of every weight and activation: float32 for training (the
+    compiler lowers GEMMs to bf16 on GPUs), float64 for finite-difference checks.
+    """
+    fam = family(spec)
+    g, c, layers, final_norm, head, x = _start(fam, spec, train, dtype, "train")
+    labels = g.input("labels", [train.batch, train.seq], INT64)
+    lowest = train.layers(spec)[0]
+    inputs, saved = [], []
+    for L in layers:
+        g.scope = f"L{L.idx}.fwd"
+        inputs.append(x)
+        x, s = fam.layer_forward(c, x, L)
+        saved.append(None if (train.checkpointing or L.idx < lowest) else s)
+    g.scope = "head"
+    hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
+    loss, dhN = loss_and_grad(g, hN, head, labels, train.batch, train.seq, spec.vocab, train.loss_chunk)
+    dx = rmsnorm_backward(g, dhN, final_norm, nN)
+    grads: dict = {}
+    for L in reversed(layers[lowest:]):
+        g.scope = f"L{L.idx}.bwd"
+        s = saved[L.idx]
+        if s is None:  # checkpointing: recompute this layer's forward from its kept input
+            _, s = fam.layer_forward(c, inputs[L.idx], L)
+        dx = fam.layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
+    g.scope = "out"
+    g.output(g.reshape(loss), "loss")
+    for name in fam.lora_tensor_names(spec, train):
+        g.output(grads[name], name + ".grad")
+    return g.finish(doc=fam.describe(spec, train, "training"))
+
+
+def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
+    """Logits [B, S, V] of base + adapter (eval and generation); same inputs minus labels."""
+    fam = family(spec)
+    g, hN, head = _forward_only(fam, spec, train, dtype, "forward")
+    g.output(g.reshape(logits_forward(g, hN, head), train.batch, train.seq, spec.vocab), "logits")
+    return g.finish(doc=fam.describe(spec, train, "forward"))
+
+
+def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
+    """The training graph's loss without any backward node (eval loss; autodiff oracles)."""
+    fam = family(spec)
+    g, hN, head = _forward_only(fam, spec, train, dtype, "eval")
+    labels = g.input("labels", [train.batch, train.seq], INT64)
+    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk)), "loss")
+    return g.finish(doc=fam.describe(spec, train, "eval"))
+
+
+def lora_tensor_names(spec, train) -> list[str]:
+    """Every LoRA tensor of the graph in output order: by layer, target, then A before B."""
+    return family(spec).lora_tensor_names(spec, train)
+
+
+def _start(fam, spec, train, dtype, kind):
+    train.validate(spec)
+    if str(dtype) not in ("float32", "float64"):
+        raise ValueError(f"graph dtype must be float32 or float64, got {dtype!r}")
+    g = GraphBuilder(f"lorac_{kind}_{spec.arch}", str(dtype))
+    ids = g.input("input_ids", [train.batch, train.seq], INT64)
+    embed, layers, final_norm, head = fam.declare_weights(g, spec, train)
+    c = fam.Ctx(g, spec, train)
+    g.scope = "fwd"
+    return g, c, layers, final_norm, head, fam.embed(g, embed, ids, spec, train)
+
+
+def _forward_only(fam, spec, train, dtype, kind):
+    g, c, layers, final_norm, head, x = _start(fam, spec, train, dtype, kind)
+    for L in layers:
+        g.scope = f"L{L.idx}.fwd"
+        x, _ = fam.layer_forward(c, x, L)
+    g.scope = "head"
+    hN, _ = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
+    return g, hN, head
