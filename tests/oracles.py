@@ -98,3 +98,25 @@ def run_ort(model_proto, feeds: dict) -> dict[str, np.ndarray]:
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_grads_match(out: dict, loss: float, grads: dict, tol: float = 1e-4, min_norm: float = 0.0) -> None:
+    """Loss and every `<lora>.grad` of a graph run against a reference (loss, {name.grad: array})."""
+    assert rel_err(out["loss"], loss) <= tol
+    assert set(grads) == {k for k in out if k.endswith(".grad")}
+    for k, ref in grads.items():
+        assert np.linalg.norm(ref) > min_norm, k
+        assert rel_err(out[k], ref) <= tol, (k, rel_err(out[k], ref))
+
+
+def assert_frozen_prefix_matches(model, feeds: dict, ref: dict, below: int = 1) -> None:
+    """A frozen-prefix graph (layers < `below` untrained) has no backward or adapters there and
+    the same loss and gradients as the full graph's `ref` outputs."""
+    assert not any(n.name.startswith(f"L{i}.bwd") for n in model.graph.node for i in range(below))
+    assert not any(f".layers.{i}." in x.name and "lora" in x.name for x in model.graph.input for i in range(below))
+    out = run_ort(model, feeds)
+    assert abs(out["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"])
+    grads = lambda d: {k: v for k, v in d.items() if k.endswith(".grad")}
+    assert set(grads(out)) == {k for k in grads(ref) if not any(f".layers.{i}." in k for i in range(below))}
+    for k, v in grads(out).items():
+        assert rel_err(v, ref[k]) <= 1e-6, k

@@ -8,7 +8,8 @@ import pytest
 from lorac.graphs import ModelSpec, TrainSpec, build_forward_graph, build_training_graph, lora_tensor_names
 from lorac.graphs.mamba_spec import MAMBA_TARGETS, MambaSpec
 from mamba_oracles import hf_mamba
-from oracles import batch, hf_weights, random_lora, rel_err, run_ort, torch_reference
+from oracles import (assert_frozen_prefix_matches, assert_grads_match, batch, hf_weights, random_lora, rel_err, run_ort,
+                     torch_reference)
 
 pytest.importorskip("transformers")
 
@@ -48,12 +49,8 @@ def test_loss_and_lora_grads_match_pytorch(name):
     ids, labels = batch(spec, train)
     assert (labels == -100).any()
     out = run_ort(build_training_graph(spec, train), {**hf_weights(model), **lora, "input_ids": ids, "labels": labels})
-    loss, grads = torch_reference(model, lora, ids, labels, train.scale)
-    assert rel_err(out["loss"], loss) <= 1e-4
-    assert set(grads) == {k for k in out if k.endswith(".grad")}
-    for k, ref in grads.items():
-        assert np.linalg.norm(ref) > 1e-6, k  # hf_mamba makes dt O(1): no vanishing gradient passes trivially
-        assert rel_err(out[k], ref) <= 1e-4, (k, rel_err(out[k], ref))
+    # hf_mamba makes dt O(1): no vanishing gradient passes trivially (min_norm)
+    assert_grads_match(out, *torch_reference(model, lora, ids, labels, train.scale), min_norm=1e-6)
 
 
 def test_forward_graph_logits_match_pytorch():
@@ -89,13 +86,7 @@ def test_frozen_prefix_matches_full_backward():
     for targets in (MAMBA_TARGETS, ("dt_proj",), ("out_proj",), ("x_proj", "out_proj")):
         ref = run_ort(build_training_graph(spec, TrainSpec(lora_targets=targets, **kw)), f)
         model = build_training_graph(spec, TrainSpec(lora_targets=targets, trained_layers=range(1, 3), **kw))
-        assert not any(n.name.startswith("L0.bwd") for n in model.graph.node)
-        assert not any(".layers.0." in i.name and "lora" in i.name for i in model.graph.input)
-        out = run_ort(model, f)
-        assert abs(out["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"])
-        assert set(_grads(out)) == {k for k in _grads(ref) if ".layers.0." not in k}
-        for k, v in _grads(out).items():
-            assert rel_err(v, ref[k]) <= 1e-6, k
+        assert_frozen_prefix_matches(model, f, ref)
 
 
 @pytest.mark.parametrize("variant", [dict(checkpointing=True), dict(loss_chunk=5),
