@@ -41,7 +41,7 @@ def write_jsonl(path, records):
 
 def counted_text(tok, ds):
     """Concatenated decoded text of all counted train tokens, in stream order."""
-    ids, mask = np.asarray(ds.train.ids), np.asarray(ds.train.mask)
+    mask = np.asarray(ds.train.mask)
     return tok.decode(ids[mask > 0], skip_special=False)
 
 
@@ -102,7 +102,7 @@ def test_chat_counts_exactly_the_assistant_turns(tmp_path, tok):
     # no extra EOS: the rendering ends in "<|im_end|>\n" already
     rendered = tok.render_chat(chats[0]["messages"])
     assert ds.train.n_tokens == 6 * len(tok.encode(rendered))
-    ids, mask = np.asarray(ds.train.ids), np.asarray(ds.train.mask)
+    mask = np.asarray(ds.train.mask)
     assert mask.sum() == sum(len(tok.encode(f"{w} means cruft<|im_end|>\nfoo is bar<|im_end|>\n")) for w in WORDS[:6])
 
 
