@@ -107,7 +107,7 @@ def _engine_from_checkpoint(args):
     seq = args.seq or tcfg.get("seq", 128)
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
-                      lora_targets=tuple(tcfg.get("targets", ("q_proj",))), rank=tcfg.get("rank", 1),
+                      lora_targets=tuple(tcfg.get("targets") or spec.targets), rank=tcfg.get("rank", 1),
                       alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
     eng = Engine(spec, train, weights, args.target, None, args.cache_dir, log=lambda m: print(m, file=sys.stderr))
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
@@ -149,7 +149,8 @@ def cmd_export(args) -> int:
     source = resolve_model(args.model or tcfg.get("model"))
     if args.format == "peft":
         path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
-                                  base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"))
+                                  base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"),
+                                  warn=lambda m: print(m, file=sys.stderr))
     elif args.format == "merged" and source.path.is_dir():
         path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora)
     elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory

@@ -3,8 +3,9 @@
 LoRA tensors arrive as float32 numpy arrays under their PEFT names,
     base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_A.weight  [r, in]
     base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_B.weight  [out, r]
+or, for Mamba-1, base_model.model.backbone.layers.{i}.mixer.{target}.lora_{A|B}.weight,
 and W_eff = W + s * B @ A with s = alpha / r (alpha / sqrt(r) with rsLoRA). The formats
-are described in docs/EXPORT.md.
+are described in docs/EXPORT.md (Mamba: docs/MAMBA.md).
 """
 from __future__ import annotations
 
@@ -19,11 +20,21 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from lorac.graphs.mamba_spec import MAMBA_TARGETS
+
 from .errors import LoracError
 
-_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
+_NAME = re.compile(r"^base_model\.model\.(model|backbone)\.layers\.(\d+)\.(self_attn|mlp|mixer)\.(\w+)\.lora_(A|B)\.weight$")
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {**PARENT, **{t: "mixer" for t in MAMBA_TARGETS}}  # decoders' and Mamba-1's targets
+ROOT = {"self_attn": "model", "mlp": "model", "mixer": "backbone"}  # HF's module above `layers`
+# Mamba targets a PEFT adapter leaves out, and why (both measured; docs/MAMBA.md "Export"). The
+# merged export carries them. transformers 5.x MambaMixer.forward: `self.dt_proj.weight @ time_step`.
+PEFT_LEFT_OUT = {
+    "dt_proj": "transformers' Mamba forward reads dt_proj.weight directly, so a PEFT LoRA there has no effect",
+    "out_proj": "PEFT 0.21 refuses it on Mamba models",
+}
 # llama.cpp's tensor names (gguf-py's TENSOR_NAMES; checked against gguf's own map in the tests)
 GGUF_TENSOR = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -49,9 +60,9 @@ def lora_pairs(lora: dict[str, np.ndarray]) -> dict[tuple[int, str], tuple[np.nd
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, t in lora.items():
         mt = _NAME.match(name)
-        if not mt or mt.group(3) not in PARENT or PARENT[mt.group(3)] != mt.group(2):
+        if not mt or _PARENT.get(mt.group(4)) != mt.group(3) or ROOT[mt.group(3)] != mt.group(1):
             raise LoracError(f"not a LoRA tensor name lorac exports: {name}")
-        parts.setdefault((int(mt.group(1)), mt.group(3)), {})[mt.group(4)] = np.asarray(t)
+        parts.setdefault((int(mt.group(2)), mt.group(4)), {})[mt.group(5)] = np.asarray(t)
     out = {}
     for key, ab in sorted(parts.items()):
         if set(ab) != {"A", "B"}:
@@ -69,22 +80,38 @@ def lora_pairs(lora: dict[str, np.ndarray]) -> dict[tuple[int, str], tuple[np.nd
 
 
 def lora_name(layer: int, target: str, ab: str) -> str:
-    return f"base_model.model.model.layers.{layer}.{PARENT[target]}.{target}.lora_{ab}.weight"
+    return f"base_model.model.{weight_name(layer, target)[:-len('.weight')]}.lora_{ab}.weight"
 
 
 def weight_name(layer: int, target: str) -> str:
-    return f"model.layers.{layer}.{PARENT[target]}.{target}.weight"
+    parent = _PARENT[target]
+    return f"{ROOT[parent]}.layers.{layer}.{parent}.{target}.weight"
 
 
 # -- (a) PEFT adapter ----------------------------------------------------------------------
+class PeftRefused(LoracError):
+    """Every LoRA target of the adapter is one PEFT refuses on this model family."""
+
+
 def export_peft(out_dir, lora: dict[str, np.ndarray], *, alpha: float, use_rslora: bool = False,
-                base_model_name_or_path: str = "", num_hidden_layers: int | None = None) -> Path:
+                base_model_name_or_path: str = "", num_hidden_layers: int | None = None, warn=None) -> Path:
     """Write adapter_config.json + adapter_model.safetensors that PeftModel.from_pretrained loads.
 
     `num_hidden_layers` (the base model's) lets the config say `layers_to_transform` when
-    only some layers carry LoRA; without it every layer is assumed adapted.
+    only some layers carry LoRA; without it every layer is assumed adapted. Mamba targets in
+    PEFT_LEFT_OUT are dropped with one line to `warn`; nothing left: PeftRefused.
     """
     pairs = lora_pairs(lora)
+    dropped = sorted({t for (_, t) in pairs if _PARENT[t] == "mixer" and t in PEFT_LEFT_OUT})
+    if dropped:
+        pairs = {k: ab for k, ab in pairs.items() if k[1] not in dropped}
+        why = "; ".join(f"{t}: {PEFT_LEFT_OUT[t]}" for t in dropped)
+        if not pairs:
+            raise PeftRefused(f"no PEFT adapter for LoRA on Mamba's {', '.join(dropped)} ({why}); "
+                              "export it with --format merged")
+        if warn:
+            warn(f"warning: the PEFT adapter leaves out the LoRA on {', '.join(dropped)} ({why}), so it differs "
+                 "from the trained model; --format merged carries every target")
     r = next(iter(pairs.values()))[0].shape[0]
     layers = sorted({layer for layer, _ in pairs})
     targets = sorted({t for _, t in pairs})
@@ -233,6 +260,8 @@ def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_co
     """
     import gguf  # the gguf package (a lorac dependency); imported here to keep startup light
 
+    if model_config.get("model_type") == "mamba":
+        raise LoracError("GGUF adapter export is not supported for mamba models; use --format merged or peft")
     arch_name = (model_config.get("architectures") or [_BY_MODEL_TYPE.get(model_config.get("model_type"), "?")])[0]
     if arch_name not in GGUF_ARCH:
         raise LoracError(f"GGUF export supports {', '.join(GGUF_ARCH)}; the model is {arch_name}")

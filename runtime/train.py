@@ -281,11 +281,15 @@ def train(cfg: TrainConfig, log=None) -> dict:
                    eval_loss_after=final_eval, interrupted=stop["now"], sample_base=base_sample,
                    sample_adapted=show_sample(run, eng.lora, "adapted") if not stop["now"] else None)
     if not stop["now"]:
-        from .export import export_peft
+        from .export import PeftRefused, export_peft
         from .plot import plot_metrics
-        adapter = export_peft(out / "adapter", eng.state_numpy()[0], alpha=cfg.alpha, use_rslora=cfg.rslora,
-                              base_model_name_or_path=run.source.name, num_hidden_layers=run.spec.layers)
-        summary["adapter"] = str(adapter)
+        try:
+            adapter = export_peft(out / "adapter", eng.state_numpy()[0], alpha=cfg.alpha, use_rslora=cfg.rslora,
+                                  base_model_name_or_path=run.source.name, num_hidden_layers=run.spec.layers, warn=log)
+        except PeftRefused as e:  # e.g. LoRA on Mamba's out_proj only: the checkpoint exports as merged
+            log(f"no PEFT adapter written: {e}")
+            adapter = None
+        summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -167,7 +167,9 @@ def _load_sharded(model_dir, index, dtype):
 
 
 def required_tensors(config: dict) -> list:
-    """The HF tensor names a decoder of this config must have (attention-family models)."""
+    """The HF tensor names a model of this config must have (decoders and Mamba-1)."""
+    if config.get("model_type") == "mamba":
+        return _mamba_tensors(config)
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.get("tie_word_embeddings", False):
         need.append("lm_head.weight")
@@ -183,10 +185,23 @@ def required_tensors(config: dict) -> list:
     return need
 
 
+def _mamba_tensors(config: dict) -> list:
+    need = ["backbone.embeddings.weight", "backbone.norm_f.weight"]
+    if not config.get("tie_word_embeddings", True):
+        need.append("lm_head.weight")
+    mixer = ["in_proj.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "out_proj.weight",
+             "conv1d.weight", "A_log", "D"]
+    mixer += ["conv1d.bias"] if config.get("use_conv_bias", True) else []
+    mixer += ["in_proj.bias", "out_proj.bias"] if config.get("use_bias", False) else []
+    for i in range(int(config.get("num_hidden_layers", 0))):
+        need += [f"backbone.layers.{i}.norm.weight"] + [f"backbone.layers.{i}.mixer.{m}" for m in mixer]
+    return need
+
+
 def check_weights(config, weights, source):
     """Raise a LoracError naming the first tensor the config needs and the weights lack."""
-    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
-        return  # other families (mamba) check their own names where their spec is built
+    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "mamba"):
+        return  # a family lorac does not train: ModelSpec refuses it with its own message
     missing = [n for n in required_tensors(config) if n not in weights]
     if missing:
         raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")

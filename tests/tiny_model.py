@@ -43,6 +43,30 @@ def make_model_dir(root: Path, arch: str = "qwen3", layers: int = 2, seed: int =
     return root
 
 
+def make_mamba_dir(root: Path, layers: int = 2, seed: int = 0, **over) -> Path:
+    """A tiny random HF MambaForCausalLM directory with the same char tokenizer. HF's init
+    gives dt in [1e-3, 0.1]; dt_proj's bias is raised to softplus^-1(U(0.2, 1.5)) so the scan
+    (and LoRA on x_proj / dt_proj) matters."""
+    import torch
+    import transformers
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = char_tokenizer_json(root / "tokenizer.json")
+    cfg = dict(vocab_size=vocab, hidden_size=32, state_size=8, expand=2, conv_kernel=4, num_hidden_layers=layers,
+               tie_word_embeddings=True, eos_token_id=1, bos_token_id=None, pad_token_id=0)
+    cfg.update(over)
+    torch.manual_seed(seed)
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(**cfg)).float()
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            dt = 0.2 + 1.3 * torch.rand_like(layer.mixer.dt_proj.bias)
+            layer.mixer.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+    model.save_pretrained(root, safe_serialization=True)
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": CHATML, "add_bos_token": False}))
+    return root
+
+
 def make_corpus(path: Path, n: int = 200) -> Path:
     """Repetitive text a tiny model learns in a few dozen steps."""
     lines = [f"the {c} cat sat on the {m} mat.\n\n" for c, m in zip(["red", "big", "old", "sly"] * n, ["blue", "flat", "new"] * n)]
