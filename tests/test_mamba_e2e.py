@@ -101,3 +101,16 @@ def test_out_proj_only_adapter_is_refused_by_peft_export(tmp_path):
             for ab, s in (("A", (2, 8)), ("B", (4, 2)))}
     with pytest.raises(PeftRefused, match="--format merged"):
         export_peft(tmp_path / "a", lora, alpha=4.0)
+
+
+def test_missing_mamba_tensor_is_named_at_load(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from lorac.runtime.errors import LoracError
+    from lorac.runtime.weights import load_model
+    d = make_mamba_dir(tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    del w["backbone.layers.1.mixer.A_log"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(LoracError, match=r"tensor backbone\.layers\.1\.mixer\.A_log is missing"):
+        load_model(d)
