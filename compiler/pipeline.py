@@ -17,7 +17,13 @@ relax_passes(target), export(executable, art_dir, target) -> manifest fields.
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +36,7 @@ from . import manifest as mf
 FAMILIES = ("cpu", "cuda", "rocm", "metal", "webgpu", "opencl", "aarch64")
 _KIND_FAMILY = {"cuda": "cuda", "rocm": "rocm", "metal": "metal", "webgpu": "webgpu", "opencl": "opencl"}
 DTYPES = ("float32", "bfloat16")
+_ISOLATED = "LORAC_ISOLATED_BUILD"  # set in the child process of an isolated build
 
 
 def resolve_target(target) -> tuple[str, dict]:
@@ -124,10 +131,11 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         return art_dir
 
     tmod.check_environment(request)
+    if getattr(tmod, "ISOLATE_BUILD", False) and not os.environ.get(_ISOLATED):
+        return _build_in_child(proto, request, art_dir, dtype, family)
     t0 = time.perf_counter()
     import warnings
 
-    from tvm import relax
     from tvm.relax.frontend.onnx import from_onnx
 
     check_supported_ops(proto)
@@ -187,6 +195,31 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
               f"{len(gemm['left_to_tvm'])} left to TVM; {manifest['compile_seconds']} s -> {art_dir}")
     return art_dir
+
+
+def _build_in_child(proto, request: dict, art_dir: Path, dtype: str, family: str) -> Path:
+    """Build in a child process, for targets whose TVM codegen can crash the process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "graph.onnx"
+        onnx.save(proto, str(path))
+        # SIG_DFL: TVM's own SIGSEGV handler symbolizes a backtrace of its 250 MB library
+        # for ~40 s before the process dies; the default action ends it at once
+        code = ("import json, signal, sys, tvm; signal.signal(signal.SIGSEGV, signal.SIG_DFL); "
+                "from lorac.compiler import compile_graph; "
+                "compile_graph(sys.argv[1], target=json.loads(sys.argv[2]), out_dir=sys.argv[3], dtype=sys.argv[4], force=True)")
+        r = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(request), str(art_dir), dtype],
+                           env={**os.environ, _ISOLATED: "1"}, capture_output=True, text=True)
+    if r.returncode == 0:
+        return art_dir
+    if r.returncode < 0:
+        how = f"crashed with {signal.Signals(-r.returncode).name}"
+    else:
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        how = f"failed: {lines[-1] if lines else 'exit status ' + str(r.returncode)}"
+        if "Segfault" in r.stderr or "Segmentation" in r.stderr or r.returncode == 139:
+            how = "crashed with SIGSEGV"
+    raise LoracError(f"target {family}: TVM {mf.tvm_version()}'s build {how} (isolated in a child process); "
+                     f"this TVM cannot compile for {family}")
 
 
 def _target_json(target) -> dict:
