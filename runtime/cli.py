@@ -130,7 +130,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate, prompt_ids
+    from .generate import check_sampling, generate, prompt_ids
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window)  # before any loading
     eng, tok, lora = _engine_from_checkpoint(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
     new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window)

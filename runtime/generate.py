@@ -27,13 +27,17 @@ def sample_token(logits: np.ndarray, rng, temperature: float, top_p: float) -> i
     return int(rng.choice(len(p), p=p))
 
 
-def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, window: int = 128) -> list[int]:
-    """New token ids after `prompt_ids` (stops at EOS)."""
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, window: int) -> None:
     if max_new_tokens < 1 or window < 2:
         raise LoracError("max_new_tokens must be >= 1 and the window >= 2")
     if not 0 < top_p <= 1 or not np.isfinite(temperature) or temperature < 0:
         raise LoracError(f"top_p must lie in (0, 1] and temperature be >= 0, got {top_p}, {temperature}")
+
+
+def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, window: int = 128) -> list[int]:
+    """New token ids after `prompt_ids` (stops at EOS)."""
+    check_sampling(max_new_tokens, temperature, top_p, window)
     rng = np.random.default_rng(seed)
     ctx = [int(t) for t in prompt_ids]
     if not ctx:

@@ -163,3 +163,20 @@ def test_bad_inputs_give_one_line(workdir, trained, tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("lorac: error:") and match in last, (extra, last)
         assert "Traceback" not in r.stderr
+
+
+def test_eval_and_generate_commands(workdir, trained):
+    r = _run(["eval", "--checkpoint", str(trained / "checkpoints"), "--data", str(workdir / "corpus.txt"),
+              "--cache-dir", str(workdir / "cache")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    adapted = json.loads(r.stdout)["eval_loss"]
+    r = _run(["eval", "--model", str(workdir / "model"), "--data", str(workdir / "corpus.txt"), "--seq", "32",
+              "--batch", "4", "--cache-dir", str(workdir / "cache")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert adapted < json.loads(r.stdout)["eval_loss"]  # the adapter learned this corpus
+    r = _run(["generate", "--checkpoint", str(trained / "checkpoints"), "--prompt", "the red cat", "--raw",
+              "--max-new-tokens", "12", "--window", "32", "--cache-dir", str(workdir / "cache")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(r.stdout.strip()) > 0
+    r = _run(["generate", "--checkpoint", str(trained / "checkpoints"), "--prompt", "x", "--top-p", "0"])
+    assert r.returncode == 2 and "top_p" in r.stderr
