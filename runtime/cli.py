@@ -38,6 +38,8 @@ TRAIN_HELP = {
     "cache_dir": "compiled-artifact cache", "eval_fraction": "share of documents held out for eval",
     "sample_prompt": "prompt for the before/after sample (default: one from the eval data)",
     "sample_tokens": "tokens generated for the sample (0: no sample)",
+    "compile_only": "compile every graph of the run for --target into --cache-dir and stop; copy the "
+                    "cache to the machine that trains (it needs no compiler then)",
 }
 
 

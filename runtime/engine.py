@@ -81,17 +81,34 @@ class Engine:
         self._weights = None
         self._arts: dict = {}
 
-    def _artifact(self, kind: str, build=None, key_parts=None):
+    def _recipe(self, kind: str):
+        """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
+        "forward:B,S" (the forward graph for ids of shape [B, S])."""
+        from lorac.graphs import TrainSpec, build_eval_graph, build_forward_graph, build_training_graph
+        from lorac.graphs.optimizer import build_optimizer_graph
+        if kind in ("train", "eval"):
+            emit = build_training_graph if kind == "train" else build_eval_graph
+            return (lambda: emit(self.spec, self.train)), (self.spec, self.train), self.dtype
+        if kind == "adamw":  # lr and step are inputs; only these settings are baked into the graph
+            c = self.optim_cfg
+            return ((lambda: build_optimizer_graph(self.shapes, c)),
+                    (self.shapes, tuple(c.betas), c.eps, c.weight_decay, c.max_grad_norm), "float32")
+        b, s = (int(x) for x in kind.split(":")[1].split(","))
+        t = self.train
+        fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
+                        trained_layers=t.trained_layers, extra=t.extra)
+        return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
+
+    def compile(self, kind: str) -> Path:
+        """The artifact directory of graph `kind`, compiled into the cache if missing (no device needed)."""
+        build, parts, dtype = self._recipe(kind)
+        name = kind.split(":")[0]
+        return compiled(build, graph_key(name, *parts), name, self.target, dtype, self.cache_dir, self.log)
+
+    def _artifact(self, kind: str):
         """The loaded artifact of graph `kind`, compiled on first use."""
         if kind not in self._arts:
-            from lorac.graphs import build_eval_graph, build_training_graph
-            if build is None:
-                emit = {"train": build_training_graph, "eval": build_eval_graph}[kind]
-                build, key_parts = (lambda: emit(self.spec, self.train)), (self.spec, self.train)
-            dtype = "float32" if kind == "adamw" else self.dtype
-            name = kind.split(":")[0]
-            art = compiled(build, graph_key(name, *key_parts), name, self.target, dtype, self.cache_dir, self.log)
-            self._arts[kind] = load_artifact(art, self.device)
+            self._arts[kind] = load_artifact(self.compile(kind), self.device)
             if self._weights is None and kind != "adamw":
                 self._weights = self._upload(self._arts[kind], self._host_weights)
                 self._host_weights = None  # the device holds them now
@@ -149,10 +166,7 @@ class Engine:
     def update(self, grads: dict, lr_a: float, lr_b: float, t: int):
         """One LoRA+ AdamW step on the device over the flat state -> (grad_norm, skipped).
         A skipped step (non-finite gradient norm) leaves the state as it was."""
-        from lorac.graphs.optimizer import build_optimizer_graph
-        c = self.optim_cfg  # lr and step are inputs; only these settings are baked into the graph
-        opt = self._artifact("adamw", lambda: build_optimizer_graph(self.shapes, c),
-                             (self.shapes, tuple(c.betas), c.eps, c.weight_decay, c.max_grad_norm))
+        opt = self._artifact("adamw")
         for n in self.names:  # device-to-device copies into the flat gradient buffers
             g = grads[f"{n}.grad"]
             if isinstance(g, np.ndarray):
@@ -174,11 +188,7 @@ class Engine:
 
     def logits(self, ids: np.ndarray, lora: dict) -> np.ndarray:
         """Logits [B', S', V] of a forward graph compiled for ids' shape (cached per shape)."""
-        from lorac.graphs import TrainSpec, build_forward_graph
-        t = self.train
-        fwd = TrainSpec(batch=ids.shape[0], seq=ids.shape[1], lora_targets=t.lora_targets, rank=t.rank,
-                        alpha=t.alpha, rslora=t.rslora, trained_layers=t.trained_layers)
-        step = self._artifact(f"forward:{ids.shape}", lambda: build_forward_graph(self.spec, fwd), (self.spec, fwd))
+        step = self._artifact(f"forward:{ids.shape[0]},{ids.shape[1]}")
         # the forward artifact takes the frozen weights in the same dtypes: share the device copies
         return step({**self._weights, **lora, "input_ids": ids})["logits"]
 

@@ -55,6 +55,7 @@ class TrainConfig:
     eval_fraction: float = 0.05
     sample_prompt: str | None = None  # generated before/after training; None: one from the eval data
     sample_tokens: int = 32
+    compile_only: bool = False  # fill the artifact cache for --target and stop (no device needed)
     extra: dict = field(default_factory=dict)
 
     def validate(self):
@@ -181,13 +182,21 @@ def sample_prompt(cfg: TrainConfig, eval_path) -> str | None:
     return users[0] if users else None
 
 
-def show_sample(run, lora, label: str) -> str | None:
-    from .generate import generate, prompt_ids
+def _sample_ids(run):
+    """Token ids of the before/after sample's prompt, or None when there is no sample."""
+    from .generate import prompt_ids
     prompt = sample_prompt(run.cfg, run.eval_path)
     if not prompt or run.cfg.sample_tokens <= 0:
+        return None, None
+    return prompt, prompt_ids(run.tokenizer, prompt)
+
+
+def show_sample(run, lora, label: str) -> str | None:
+    from .generate import generate
+    prompt, ids = _sample_ids(run)
+    if prompt is None:
         return None
     tok = run.tokenizer
-    ids = prompt_ids(tok, prompt)
     text = tok.decode(generate(run.engine, tok, ids, lora, run.cfg.sample_tokens, window=_window(len(ids), run.cfg)))
     run.log(f"--- sample ({label}) ---\n> {prompt}\n{text}\n---")
     return text
@@ -207,6 +216,17 @@ def _jsonable(x):
     return json.loads(json.dumps(x, default=str))
 
 
+def precompile(run: Run) -> dict:
+    """Compile every graph the run would use into the cache (compile here, train elsewhere)."""
+    kinds = ["train", "eval", "adamw"]
+    _, ids = _sample_ids(run)
+    if ids is not None:
+        kinds.append(f"forward:1,{_window(len(ids), run.cfg)}")
+    arts = {k: str(run.engine.compile(k)) for k in kinds}
+    run.log(f"compiled {len(arts)} artifacts for {run.cfg.target} into {run.cfg.cache_dir}")
+    return {"compiled": arts}
+
+
 def train(cfg: TrainConfig, log=None) -> dict:
     """Run the whole job; returns a summary dict (also written to OUT/summary.json)."""
     from .engine import to_numpy
@@ -214,6 +234,8 @@ def train(cfg: TrainConfig, log=None) -> dict:
 
     run = Run(cfg, log)
     log = run.log
+    if cfg.compile_only:
+        return precompile(run)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     st = run.resume_state(cfg.resume) if cfg.resume else run.fresh_state()
