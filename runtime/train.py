@@ -218,7 +218,7 @@ def _jsonable(x):
 
 def precompile(run: Run) -> dict:
     """Compile every graph the run would use into the cache (compile here, train elsewhere)."""
-    kinds = ["train", "eval", "adamw"]
+    kinds = ["train", "adamw"] + (["eval"] if run.cfg.eval_batches else [])
     _, ids = _sample_ids(run)
     if ids is not None:
         kinds.append(f"forward:1,{_window(len(ids), run.cfg)}")
