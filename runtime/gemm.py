@@ -9,24 +9,103 @@ means "read this operand with its last two axes swapped":
 One registered function per layout dispatches on the output's device:
 - CPU: numpy's BLAS on zero-copy DLPack views. A swapped view is only other strides,
   which numpy passes to BLAS as a transpose flag; `out=` writes into TVM's buffer.
+  Threads: OpenBLAS's own pool spins while it waits, and next to TVM's pool (or any
+  other busy process) on a small machine that collapsed a 40M-model step from 2.2 s to
+  13 s here. So BLAS runs single-threaded per calling thread and lorac splits each large
+  GEMM into row (or batch) blocks over its own small thread pool, whose idle threads
+  block instead of spinning (numpy releases the GIL inside matmul).
 - CUDA: cuBLAS through ctypes (gemm_cuda.py), bf16 or fp32 in, fp32 accumulate.
 """
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 _CPU, _CUDA = 1, 2  # DLPack device types
+_SPLIT_FLOPS = 8e6  # below this a GEMM runs whole: a thread hand-off costs ~20 us
 _registered = False
+_pool: ThreadPoolExecutor | None = None
+_threads = 1
+_blas_local = None  # openblas_set_num_threads_local, when numpy's BLAS is OpenBLAS >= 0.3.27
+_tls = threading.local()
+
+
+def _find_openblas_local():
+    """OpenBLAS's per-thread thread-count setter from the library numpy already loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and ln.rstrip().endswith(".so")
+                     or "openblas" in ln.lower() and ".so" in ln.split()[-1]}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+def _single_threaded_blas() -> None:
+    if _blas_local is not None and not getattr(_tls, "single", False):
+        _blas_local(1)
+        _tls.single = True
+
+
+def _blocks(x, y, out, n: int):
+    """Split a GEMM into n independent (x, y, out) blocks: by batch, else by output rows."""
+    if out.ndim > 2 and out.shape[0] >= n:
+        cuts = np.linspace(0, out.shape[0], n + 1).astype(int)
+        ys = [y] * n if y.ndim == 2 else [y[c0:c1] for c0, c1 in zip(cuts, cuts[1:])]
+        return [(x[c0:c1], yb, out[c0:c1]) for (c0, c1), yb in zip(zip(cuts, cuts[1:]), ys)]
+    rows = out.shape[-2]
+    cuts = np.linspace(0, rows, n + 1).astype(int)
+    return [(x[..., c0:c1, :], y, out[..., c0:c1, :]) for c0, c1 in zip(cuts, cuts[1:])]
 
 
 def _cpu_gemm(ta: bool, tb: bool, a, b, out) -> None:
     x = np.from_dlpack(a)
     y = np.from_dlpack(b)
+    o = np.from_dlpack(out)
     if ta:
         x = np.swapaxes(x, -1, -2)
     if tb:
         y = np.swapaxes(y, -1, -2)
-    np.matmul(x, y, out=np.from_dlpack(out))
+    _single_threaded_blas()
+    if _pool is None or 2.0 * o.size * x.shape[-1] < _SPLIT_FLOPS or o.shape[-2] < 2 * _threads:
+        np.matmul(x, y, out=o)
+        return
+    blocks = _blocks(x, y, o, _threads)
+    futures = [_pool.submit(_matmul_block, *blk) for blk in blocks[1:]]
+    np.matmul(*blocks[0][:2], out=blocks[0][2])
+    for f in futures:
+        f.result()
+
+
+def _matmul_block(x, y, out) -> None:
+    _single_threaded_blas()
+    np.matmul(x, y, out=out)
+
+
+def _setup_cpu_threads() -> None:
+    """One GEMM thread per core lorac may use (TVM_NUM_THREADS, else the CPU affinity)."""
+    global _pool, _threads, _blas_local
+    _blas_local = _find_openblas_local()
+    if _blas_local is None:
+        return  # another BLAS (MKL, Accelerate): leave its own threading alone
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    _threads = max(1, int(os.environ.get("TVM_NUM_THREADS", cores)))
+    if _threads > 1:
+        _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="lorac-gemm")
 
 
 def _layout(ta: bool, tb: bool):
@@ -47,6 +126,8 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    if _pool is None:
+        _setup_cpu_threads()
     for ta in (False, True):
         for tb in (False, True):
             name = "lorac.gemm_" + ("t" if ta else "n") + ("t" if tb else "n")
