@@ -81,9 +81,11 @@ def device(art_root: Path, out_dir: Path) -> None:
             t = time.perf_counter()
             step = load_artifact(d, "cuda")
             r["load_s"] = round(time.perf_counter() - t, 3)
-            ref_path = art_root / (d.name.replace("-bfloat16-", "-float32-") + ".ref.npz")
+            ref_path = art_root / (d.name.replace("-bfloat16-", "-float32-").removesuffix("-graph") + ".ref.npz")
             if ref_path.is_file():  # numerics vs the CPU fp32 reference
                 ref = dict(np.load(ref_path))
+                if d.name.endswith("-graph"):  # capture on other inputs: check a replay
+                    step(make_inputs(step.manifest, exact=False))
                 out = step(make_inputs(step.manifest))
                 r["loss"], r["ref_loss"] = float(out["loss"]), float(ref["loss"])
                 r["loss_rel"] = abs(r["loss"] - r["ref_loss"]) / abs(r["ref_loss"])
@@ -98,6 +100,18 @@ def device(art_root: Path, out_dir: Path) -> None:
             inputs = make_inputs(step.manifest, exact=False)
             args = {s["name"]: step._to_device(s, inputs[s["name"]]) for s in step.inputs}
             r["step_ms"] = round(_timed(step, args) * 1e3, 3)
+            # host side alone: how long 10 calls take to enqueue, before waiting for the GPU
+            t = time.perf_counter()
+            for _ in range(10):
+                step(args, as_numpy=False)
+            r["enqueue_ms"] = round((time.perf_counter() - t) * 1e2, 3)
+            step._dev.sync()
+            if d.name.endswith("-graph"):  # replays never call the GEMM functions again
+                r["tokens"] = int(np.prod(step.manifest["inputs"][0]["shape"]))
+                r["tok_s"] = round(r["tokens"] / r["step_ms"] * 1e3)
+                print(json.dumps(r), flush=True)
+                results.append(r)
+                continue
             # the same step with every GEMM a no-op: TVM's kernels + VM/host overhead
             for name in ("lorac.gemm_nn", "lorac.gemm_nt", "lorac.gemm_tn", "lorac.gemm_tt"):
                 tvm_ffi.register_global_func(name, lambda a, b, o: None, override=True)

@@ -168,7 +168,9 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         with tvm_target:
             return seq(m)
 
-    ex = tvm.compile(mod, tvm_target, relax_pipeline=pipeline)
+    config = tmod.pass_config(request) if hasattr(tmod, "pass_config") else {}
+    with tvm.transform.PassContext(opt_level=3, config=config):
+        ex = tvm.compile(mod, tvm_target, relax_pipeline=pipeline)
     t_build = time.perf_counter() - t0 - t_import
 
     # build into a fresh staging directory, then swap: a failed export leaves no half artifact

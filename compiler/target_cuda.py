@@ -29,9 +29,16 @@ DEFAULT_ARCH = "sm_90"
 
 def tvm_target(request: dict):
     import tvm
-    spec = {k: v for k, v in request.items() if k != "kind"}
+    spec = {k: v for k, v in request.items() if k not in ("kind", "cuda_graph")}
     spec.setdefault("arch", DEFAULT_ARCH)
     return tvm.target.Target({"kind": "cuda", **spec, "host": {"kind": "llvm"}})
+
+
+def pass_config(request: dict) -> dict:
+    """{"kind": "cuda", "cuda_graph": True}: TVM's RewriteCUDAGraph lifts the static parts of
+    the step into CUDA graphs captured on the first call and replayed after; the cuBLAS
+    calls join TVM's capture stream (runtime/gemm_cuda.py), so replays skip Python."""
+    return {"relax.backend.use_cuda_graph": bool(request.get("cuda_graph", False))}
 
 
 def _nvcc() -> str | None:

@@ -27,6 +27,11 @@ _DTYPE = {"float32": _R_32F, "bfloat16": _R_16BF}
 
 _lib = None
 _handle = None
+_fn = None
+_get_stream = None
+_stream = [None]  # the stream the cuBLAS handle is set to
+_plans: dict = {}  # (ta, tb, shapes, dtypes) -> cuBLAS arguments other than the pointers
+_ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
 def _candidates(name: str) -> list[str]:
@@ -34,7 +39,6 @@ def _candidates(name: str) -> list[str]:
     out = []
     for base in sys.path:
         out += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", name + ".so*")), reverse=True)
-        out += sorted(glob.glob(os.path.join(base, "nvidia", "cu*", "lib", name + ".so*")), reverse=True)
     for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if home:
             out += sorted(glob.glob(os.path.join(home, "lib64", name + ".so*")), reverse=True)
@@ -42,17 +46,16 @@ def _candidates(name: str) -> list[str]:
 
 
 def load_library(name: str) -> ctypes.CDLL:
-    errors = []
     for path in _candidates(name):
         try:
             return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError as e:
-            errors.append(str(e))
+        except OSError:
+            continue
     raise LoracError(f"CUDA artifact needs {name} (CUDA toolkit or the nvidia pip wheels); not found")
 
 
 def _init():
-    global _lib, _handle
+    global _lib, _handle, _fn, _get_stream
     if _handle is not None:
         return
     _lib = load_library("libcublas")
@@ -64,33 +67,46 @@ def _init():
     f.restype = ctypes.c_int
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     f.argtypes = [p, i, i, i, i, i, p, p, i, i, ll, p, i, i, ll, p, p, i, i, ll, i, i, i]
-    _handle = h
+    _lib.cublasSetStream_v2.argtypes = [p, p]
+    # TVM launches its kernels on the stream TVMFFIEnvGetStream names (a capture stream
+    # while a CUDA graph records); the GEMMs must join that same stream
+    import tvm_ffi
+    _get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
+    _get_stream.restype, _get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
+    _fn, _handle = f, h
 
 
-def gemm(ta: bool, tb: bool, a, b, out) -> None:
-    _init()
-    sa, sb, so = list(a.shape), list(b.shape), list(out.shape)
+def _plan(ta: bool, tb: bool, sa: tuple, sb: tuple, so: tuple, da: str, db: str) -> tuple:
     M, N = so[-2], so[-1]
     K = sa[-2] if ta else sa[-1]
     batch = 1
     for d in so[:-2]:
         batch *= d
-    at, bt = _DTYPE[str(a.dtype)], _DTYPE[str(b.dtype)]
-    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     stride_a = M * K if len(sa) > 2 else 0
     stride_b = K * N if len(sb) > 2 else 0
     # a shared 2-D right operand under a non-transposed batch: one tall GEMM is faster
     if len(sb) == 2 and len(sa) > 2 and not ta:
         M, batch, stride_a = M * batch, 1, 0
-    st = _lib.cublasGemmStridedBatchedEx(
-        _handle,
-        _OP_T if tb else _OP_N, _OP_T if ta else _OP_N,
-        N, M, K,
-        ctypes.byref(one),
-        ctypes.c_void_p(b.data_ptr()), bt, K if tb else N, stride_b,
-        ctypes.c_void_p(a.data_ptr()), at, M if ta else K, stride_a,
-        ctypes.byref(zero),
-        ctypes.c_void_p(out.data_ptr()), _R_32F, N, M * N if batch > 1 else 0,
-        batch, _COMPUTE_32F, _GEMM_DEFAULT)
+    return (_OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
+            _DTYPE[db], K if tb else N, stride_b,
+            _DTYPE[da], M if ta else K, stride_a,
+            N, M * N if batch > 1 else 0, batch)
+
+
+def gemm(ta: bool, tb: bool, a, b, out) -> None:
+    if _handle is None:
+        _init()
+    key = (ta, tb, tuple(a.shape), tuple(b.shape), tuple(out.shape), str(a.dtype), str(b.dtype))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(*key)
+    stream = _get_stream(2, out.device.index)
+    if stream != _stream[0]:
+        _lib.cublasSetStream_v2(_handle, stream)
+        _stream[0] = stream
+    opb, opa, n, m, k, bt, ldb, sb, at, lda, sa, ldc, sc, batch = plan
+    st = _fn(_handle, opb, opa, n, m, k, ctypes.byref(_ONE),
+             b.data_ptr(), bt, ldb, sb, a.data_ptr(), at, lda, sa, ctypes.byref(_ZERO),
+             out.data_ptr(), _R_32F, ldc, sc, batch, _COMPUTE_32F, _GEMM_DEFAULT)
     if st != 0:
-        raise LoracError(f"cuBLAS GEMM failed (status {st}) for {sa} x {sb} -> {so}")
+        raise LoracError(f"cuBLAS GEMM failed (status {st}) for {list(a.shape)} x {list(b.shape)} -> {list(out.shape)}")

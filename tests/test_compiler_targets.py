@@ -126,6 +126,7 @@ class _Buf:
     def __init__(self, arr):
         self.arr = np.ascontiguousarray(arr)
         self.shape, self.dtype = self.arr.shape, str(self.arr.dtype)
+        self.device = type("Device", (), {"index": 0})()
         _Buf.pool[self.arr.ctypes.data] = self.arr
 
     def data_ptr(self):
@@ -138,17 +139,15 @@ def _colmajor(ptr, rows, cols, ld, stride, batch):
     return [view(flat[i * stride:], (rows, cols), (flat.itemsize, ld * flat.itemsize)) for i in range(batch)]
 
 
-class _FakeCublas:
+def _fake_gemm_strided_batched(h, ta, tb, m, n, k, alpha, A, at, lda, sA, B, bt, ldb, sB, beta,
+                               C, ct, ldc, sC, batch, compute, algo):
     """cublasGemmStridedBatchedEx's column-major semantics, in numpy."""
-
-    def cublasGemmStridedBatchedEx(self, h, ta, tb, m, n, k, alpha, A, at, lda, sA, B, bt, ldb, sB, beta,
-                                   C, ct, ldc, sC, batch, compute, algo):
-        As = _colmajor(A.value, *((m, k) if ta == 0 else (k, m)), lda, sA, batch)
-        Bs = _colmajor(B.value, *((k, n) if tb == 0 else (n, k)), ldb, sB, batch)
-        Cs = _colmajor(C.value, m, n, ldc, sC, batch)
-        for a, b, c in zip(As, Bs, Cs):
-            c[...] = (a if ta == 0 else a.T) @ (b if tb == 0 else b.T)
-        return 0
+    As = _colmajor(A, *((m, k) if ta == 0 else (k, m)), lda, sA, batch)
+    Bs = _colmajor(B, *((k, n) if tb == 0 else (n, k)), ldb, sB, batch)
+    Cs = _colmajor(C, m, n, ldc, sC, batch)
+    for a, b, c in zip(As, Bs, Cs):
+        c[...] = (a if ta == 0 else a.T) @ (b if tb == 0 else b.T)
+    return 0
 
 
 @pytest.mark.parametrize("ta", [False, True])
@@ -156,8 +155,9 @@ class _FakeCublas:
 @pytest.mark.parametrize("batch_a,batch_b", [((), ()), ((2, 3), (2, 3)), ((2, 3), ())])
 def test_cublas_mapping(monkeypatch, ta, tb, batch_a, batch_b):
     from lorac.runtime import gemm_cuda
-    monkeypatch.setattr(gemm_cuda, "_lib", _FakeCublas())
+    monkeypatch.setattr(gemm_cuda, "_fn", _fake_gemm_strided_batched)
     monkeypatch.setattr(gemm_cuda, "_handle", ctypes.c_void_p(1))
+    monkeypatch.setattr(gemm_cuda, "_get_stream", lambda device_type, device_id: None)
     rng = np.random.default_rng(0)
     M, K, N = 5, 7, 4
     a = rng.standard_normal(batch_a + ((K, M) if ta else (M, K))).astype(np.float32)
