@@ -41,7 +41,7 @@ def write_jsonl(path, records):
 
 def counted_text(tok, ds):
     """Concatenated decoded text of all counted train tokens, in stream order."""
-    mask = np.asarray(ds.train.mask)
+    ids, mask = np.asarray(ds.train.ids), np.asarray(ds.train.mask)
     return tok.decode(ids[mask > 0], skip_special=False)
 
 
