@@ -29,7 +29,8 @@ def _splitmix(n: int, seed: int) -> np.ndarray:
 
 def make_inputs(manifest: dict, exact: bool = True) -> dict[str, np.ndarray]:
     """Deterministic inputs for an artifact. exact=False tiles one random block (fast, for timing)."""
-    vocab = next(i["shape"][0] for i in manifest["inputs"] if i["name"].endswith("embed_tokens.weight"))
+    vocab = next(i["shape"][0] for i in manifest["inputs"]
+                 if i["name"].endswith(("embed_tokens.weight", "embeddings.weight")))  # decoder, Mamba
     block = _splitmix(1 << 20, 7) if not exact else None
     out = {}
     for spec in manifest["inputs"]:
