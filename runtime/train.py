@@ -250,10 +250,11 @@ def train(cfg: TrainConfig, log=None) -> dict:
 
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the step, save, exit
-    first_eval = run.evaluate(eng.lora) if cfg.eval_batches else float("nan")
-    if not cfg.resume:
-        emit(dict(step=st["step"], eval_loss=first_eval))
-    log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
+    first_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
+    if first_eval is not None:
+        if not cfg.resume:
+            emit(dict(step=st["step"], eval_loss=first_eval))
+        log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
     base_sample = show_sample(run, eng.lora, "base model") if not cfg.resume else None
     tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
     t_start = time.perf_counter()
@@ -297,8 +298,9 @@ def train(cfg: TrainConfig, log=None) -> dict:
             log(f"checkpoint: {path}")
     metrics.close()
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    final_eval = run.evaluate(eng.lora) if cfg.eval_batches else float("nan")
-    log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
+    final_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
+    if final_eval is not None:
+        log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
     summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
                    eval_loss_after=final_eval, interrupted=stop["now"], sample_base=base_sample,
                    sample_adapted=show_sample(run, eng.lora, "adapted") if not stop["now"] else None)
