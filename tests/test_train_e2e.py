@@ -180,3 +180,15 @@ def test_eval_and_generate_commands(workdir, trained):
     assert len(r.stdout.strip()) > 0
     r = _run(["generate", "--checkpoint", str(trained / "checkpoints"), "--prompt", "x", "--top-p", "0"])
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_toml_config_supplies_defaults_and_flags_win(workdir, tmp_path):
+    from lorac.runtime.cli import build_parser, train_config
+    cfg_file = tmp_path / "run.toml"
+    cfg_file.write_text('steps = 7\nbatch = 3\nloraplus-ratio = 8.0\ntargets = "q_proj,v_proj"\n')
+    args = build_parser().parse_args(["train", "--config", str(cfg_file), "--batch", "5"])
+    cfg = train_config(args)
+    assert (cfg.steps, cfg.batch, cfg.loraplus_ratio, cfg.targets) == (7, 5, 8.0, ("q_proj", "v_proj"))
+    cfg_file.write_text("stepz = 3\n")
+    r = _run(["train", "--config", str(cfg_file)])
+    assert r.returncode == 2 and "unknown setting(s) stepz" in r.stderr
