@@ -6,7 +6,8 @@ library linked with the system C compiler.
 """
 from __future__ import annotations
 
-from pathlib import Path
+from .target_common import export_shared_library as export  # noqa: F401 - target interface
+from .target_common import unchanged as prepare  # noqa: F401
 
 FAMILY = "cpu"
 DEVICE = "cpu"
@@ -33,10 +34,6 @@ def check_environment(request: dict) -> None:
         raise LoracError("target cpu needs a C compiler (cc/gcc) to link the artifact library")
 
 
-def prepare(mod):
-    return mod
-
-
 def relax_passes(target) -> list:
     """Legalize, fuse, give every fused kernel a parallel loop (cpu_schedule), lower."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
@@ -46,8 +43,3 @@ def relax_passes(target) -> list:
     return (cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)
             + [ParallelizeCPU(target)]
             + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))
-
-
-def export(ex, art_dir: Path, target) -> dict:
-    ex.export_library(str(Path(art_dir) / "lib.so"))
-    return {"library": "lib.so"}

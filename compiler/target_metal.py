@@ -8,9 +8,12 @@ produces the artifact the same way.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 from .gpu_generic import relax_passes  # noqa: F401 - part of the target interface
+from .target_common import export_shared_library as export  # noqa: F401 - target interface
+from .target_common import host_gpu_target
+from .target_common import no_environment_check as check_environment  # noqa: F401
+from .target_common import unchanged as prepare  # noqa: F401
 
 FAMILY = "metal"
 DEVICE = "metal"
@@ -21,19 +24,4 @@ ISOLATE_BUILD = True  # pipeline.py builds in a child process and reports its de
 
 
 def tvm_target(request: dict):
-    import tvm
-    spec = {k: v for k, v in request.items() if k != "kind"}
-    return tvm.target.Target({"kind": "metal", **spec, "host": {"kind": "llvm"}})
-
-
-def check_environment(request: dict) -> None:
-    pass
-
-
-def prepare(mod):
-    return mod
-
-
-def export(ex, art_dir: Path, target) -> dict:
-    ex.export_library(str(Path(art_dir) / "lib.so"))
-    return {"library": "lib.so"}
+    return host_gpu_target("metal", request)

@@ -5,9 +5,12 @@ OpenCL driver compiles it when the library is loaded on the target machine.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 from .gpu_generic import relax_passes  # noqa: F401 - part of the target interface
+from .target_common import export_shared_library as export  # noqa: F401 - target interface
+from .target_common import host_gpu_target
+from .target_common import no_environment_check as check_environment  # noqa: F401
+from .target_common import unchanged as prepare  # noqa: F401
 
 FAMILY = "opencl"
 DEVICE = "opencl"
@@ -16,19 +19,4 @@ DTYPES = ("float32",)
 
 
 def tvm_target(request: dict):
-    import tvm
-    spec = {k: v for k, v in request.items() if k != "kind"}
-    return tvm.target.Target({"kind": "opencl", **spec, "host": {"kind": "llvm"}})
-
-
-def check_environment(request: dict) -> None:
-    pass
-
-
-def prepare(mod):
-    return mod
-
-
-def export(ex, art_dir: Path, target) -> dict:
-    ex.export_library(str(Path(art_dir) / "lib.so"))
-    return {"library": "lib.so"}
+    return host_gpu_target("opencl", request)

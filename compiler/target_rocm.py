@@ -11,9 +11,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-from pathlib import Path
 
 from .gpu_generic import relax_passes  # noqa: F401 - part of the target interface
+from .target_common import export_shared_library as export  # noqa: F401 - target interface
+from .target_common import host_gpu_target
+from .target_common import unchanged as prepare  # noqa: F401
 
 FAMILY = "rocm"
 DEVICE = "rocm"
@@ -22,10 +24,8 @@ DTYPES = ("float32",)
 
 
 def tvm_target(request: dict):
-    import tvm
-    spec = {k: v for k, v in request.items() if k != "kind"}
-    spec.setdefault("mcpu", "gfx942")  # MI300; pass {"kind": "rocm", "mcpu": ...} for others
-    return tvm.target.Target({"kind": "rocm", **spec, "host": {"kind": "llvm"}})
+    # mcpu gfx942: MI300; pass {"kind": "rocm", "mcpu": ...} for others
+    return host_gpu_target("rocm", request, mcpu="gfx942")
 
 
 _BITCODE_DIRS = ("{root}/amdgcn/bitcode", "{root}/lib/amdgcn/bitcode", "{root}/lib/*/amdgcn/bitcode",
@@ -50,12 +50,3 @@ def check_environment(request: dict) -> None:
                        "or ROCm under /opt/rocm / $ROCM_PATH)")
     if missing:
         raise LoracError("target rocm needs " + " and ".join(missing))
-
-
-def prepare(mod):
-    return mod
-
-
-def export(ex, art_dir: Path, target) -> dict:
-    ex.export_library(str(Path(art_dir) / "lib.so"))
-    return {"library": "lib.so"}
