@@ -1,5 +1,5 @@
 """lorac's CPU training step at the Mamba-130M shape (fp32, 2 threads), beside
-/work/shared/bench/peer_mamba_cpu.py (HF's plain PyTorch path + PEFT).
+../shared/bench/peer_mamba_cpu.py (HF's plain PyTorch path + PEFT).
 
     .venv/bin/python bench/bench_mamba_cpu.py [--layers 24] [--targets in_proj,x_proj,dt_proj] [--steps 3]
 
