@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .attention import attention_backward, attention_forward, causal_mask
 from .builder import GraphBuilder
-from .linear import Proj, linear_backward, linear_forward
+from .linear import Proj, add_lora, linear_backward, linear_forward
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
@@ -55,9 +55,7 @@ def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
             if (spec.qkv_bias and t in ("q_proj", "k_proj", "v_proj")) or (spec.o_bias and t == "o_proj"):
                 p.bias = g.input(weight_name(i, t, "bias"), [out])
             if i in trained and t in train.lora_targets:
-                p.a = g.input(lora_name(i, t, "A"), [train.rank, inp])
-                p.b = g.input(lora_name(i, t, "B"), [out, train.rank])
-                p.scale = train.scale
+                add_lora(g, p, lambda which: lora_name(i, t, which), train, out, inp)
             ln.proj[t] = p
         layers.append(ln)
     final_norm = g.input("model.norm.weight", [spec.hidden])

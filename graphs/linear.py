@@ -18,6 +18,13 @@ class Proj:
     scale: float = 0.0
 
 
+def add_lora(g, p: Proj, names, train, out: int, inp: int) -> None:
+    """Adapt projection `p`: LoRA inputs A [r, in] and B [out, r], named names("A") / names("B")."""
+    p.a = g.input(names("A"), [train.rank, inp])
+    p.b = g.input(names("B"), [out, train.rank])
+    p.scale = train.scale
+
+
 def linear_forward(g, x, p: Proj):
     y = g.mm_t(x, p.w)
     if p.bias is not None:

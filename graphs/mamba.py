@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .builder import GraphBuilder
 from .conv import conv_backward, conv_forward
 from .decoder import embed  # noqa: F401 - the same token embedding (compose.py calls it)
-from .linear import Proj, linear_backward, linear_forward
+from .linear import Proj, add_lora, linear_backward, linear_forward
 from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
@@ -74,9 +74,7 @@ def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
             if t == "dt_proj" or (spec.use_bias and t in ("in_proj", "out_proj")):
                 p.bias = w(f"{t}.bias", [out])
             if i in trained and t in train.lora_targets:
-                p.a = g.input(lora_name(i, t, "A"), [train.rank, inp])
-                p.b = g.input(lora_name(i, t, "B"), [out, train.rank])
-                p.scale = train.scale
+                add_lora(g, p, lambda which: lora_name(i, t, which), train, out, inp)
             L.proj[t] = p
         layers.append(L)
     final_norm = g.input("backbone.norm_f.weight", [D])

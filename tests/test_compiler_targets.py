@@ -8,7 +8,6 @@ import shutil
 import subprocess
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper
 
