@@ -297,14 +297,14 @@ def train(cfg: TrainConfig, log=None) -> dict:
             path = run.save(st, batches)
             log(f"checkpoint: {path}")
     metrics.close()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    final_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
+    interrupted = st["step"] < cfg.steps  # a Ctrl-C after the last step does not count
+    final_eval = run.evaluate(eng.lora) if cfg.eval_batches and not interrupted else None
     if final_eval is not None:
         log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
     summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
-                   eval_loss_after=final_eval, interrupted=stop["now"], sample_base=base_sample,
-                   sample_adapted=show_sample(run, eng.lora, "adapted") if not stop["now"] else None)
-    if not stop["now"]:
+                   eval_loss_after=final_eval, interrupted=interrupted, sample_base=base_sample,
+                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
+    if not interrupted:
         from .export import PeftRefused, export_peft
         from .plot import plot_metrics
         try:
@@ -316,4 +316,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    # the handler stays until here: a Ctrl-C inside a compiled call would surface as a TVM
+    # error from the GEMM callback rather than as KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return summary

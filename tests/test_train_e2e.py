@@ -103,11 +103,13 @@ def test_peft_and_merged_exports_match_lorac_logits(workdir, trained):
 
 def test_ctrl_c_saves_and_resume_equals_uninterrupted_run(workdir, trained):
     out = workdir / "interrupted"
-    p = subprocess.Popen(LORAC + _train_args(workdir, out, 30, "--save-every", "100"), stdout=subprocess.PIPE,
+    # an eval after every step slows the run (not its losses) so the signal lands mid-run
+    slow = ("--save-every", "100", "--eval-every", "1", "--eval-batches", "8")
+    p = subprocess.Popen(LORAC + _train_args(workdir, out, 30, *slow), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.01)
         if (out / "metrics.jsonl").exists() and sum('"loss"' in l for l in (out / "metrics.jsonl").read_text().splitlines()) >= 7:
             break
     p.send_signal(signal.SIGINT)
@@ -116,7 +118,7 @@ def test_ctrl_c_saves_and_resume_equals_uninterrupted_run(workdir, trained):
     assert (out / "checkpoints" / "latest").is_file()
     stopped = max(r["step"] for r in _records(out) if "loss" in r)
     assert 7 <= stopped < 30
-    r = _run(_train_args(workdir, out, 30, "--save-every", "100", "--resume", str(out / "checkpoints")))
+    r = _run(_train_args(workdir, out, 30, *slow, "--resume", str(out / "checkpoints")))
     assert r.returncode == 0, r.stderr[-2000:]
     got = {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
     ref = {r["step"]: r["loss"] for r in _records(trained) if "loss" in r}
