@@ -20,13 +20,14 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from lorac.graphs import mamba_spec
+from lorac.graphs import spec as decoder_spec
 from lorac.graphs.mamba_spec import MAMBA_TARGETS
 
 from .errors import LoracError
 
 _NAME = re.compile(r"^base_model\.model\.(model|backbone)\.layers\.(\d+)\.(self_attn|mlp|mixer)\.(\w+)\.lora_(A|B)\.weight$")
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PARENT = {t: ("self_attn" if t in decoder_spec.ATTN_TARGETS else "mlp") for t in decoder_spec.ALL_TARGETS}
 _PARENT = {**PARENT, **{t: "mixer" for t in MAMBA_TARGETS}}  # decoders' and Mamba-1's targets
 ROOT = {"self_attn": "model", "mlp": "model", "mixer": "backbone"}  # HF's module above `layers`
 # Mamba targets a PEFT adapter leaves out, and why (both measured; docs/MAMBA.md "Export"). The
@@ -80,12 +81,15 @@ def lora_pairs(lora: dict[str, np.ndarray]) -> dict[tuple[int, str], tuple[np.nd
 
 
 def lora_name(layer: int, target: str, ab: str) -> str:
-    return f"base_model.model.{weight_name(layer, target)[:-len('.weight')]}.lora_{ab}.weight"
+    """PEFT's key of a LoRA tensor: the graphs' own naming, decoder or Mamba by target."""
+    return (mamba_spec if target in MAMBA_TARGETS else decoder_spec).lora_name(layer, target, ab)
 
 
 def weight_name(layer: int, target: str) -> str:
-    parent = _PARENT[target]
-    return f"{ROOT[parent]}.layers.{layer}.{parent}.{target}.weight"
+    """HF's name of the adapted weight, from the graphs' own naming."""
+    if target in MAMBA_TARGETS:
+        return mamba_spec.weight_name(layer, f"{target}.weight")
+    return decoder_spec.weight_name(layer, target)
 
 
 # -- (a) PEFT adapter ----------------------------------------------------------------------

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import LoracError
+from lorac.graphs.spec import ALL_TARGETS  # noqa: F401 - the CLI's help lists them
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from .errors import LoracError
 
 
 @dataclass

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tiny_model import make_corpus, make_mamba_dir
+from tiny_model import compiled_logits, make_corpus, make_mamba_dir
 
 pytest.importorskip("tvm")
 LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
@@ -42,18 +42,6 @@ def test_training_and_eval_loss_drop(trained):
     assert "leaves out the LoRA on dt_proj, out_proj" in stderr  # the PEFT adapter says what it lacks
 
 
-def _lorac_logits(d, lora, ids):
-    """Logits of lorac's compiled forward graph (all four targets) with the given LoRA tensors."""
-    from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.weights import load_model
-    cfg, weights = load_model(d / "model")
-    spec = ModelSpec.from_hf_config(cfg)
-    train = TrainSpec(batch=1, seq=ids.shape[1], lora_targets=spec.targets, rank=16, alpha=32.0)
-    eng = Engine(spec, train, weights, "cpu", cache_dir=d / "cache", log=lambda m: None)
-    return eng.logits(ids, {n: lora.get(n, np.zeros(s, np.float32)) for n, s in eng.shapes.items()})
-
-
 def test_peft_and_merged_exports_match_lorac_logits(trained):
     import torch
     from peft import PeftModel
@@ -73,7 +61,7 @@ def test_peft_and_merged_exports_match_lorac_logits(trained):
     peft = PeftModel.from_pretrained(base, d / "run" / "adapter").eval()
     with torch.no_grad():
         theirs = peft(input_ids=torch.from_numpy(ids)).logits.numpy()
-    ours = _lorac_logits(d, peft_lora, ids)
+    ours = compiled_logits(d / "model", d / "cache", peft_lora, ids)
     assert np.abs(ours - theirs).max() <= TOL * max(1.0, np.abs(theirs).max())
 
     # merged model: every target folded in
@@ -82,7 +70,7 @@ def test_peft_and_merged_exports_match_lorac_logits(trained):
     m = AutoModelForCausalLM.from_pretrained(d / "merged").float().eval()
     with torch.no_grad():
         merged = m(input_ids=torch.from_numpy(ids)).logits.numpy()
-    ours = _lorac_logits(d, full, ids)
+    ours = compiled_logits(d / "model", d / "cache", full, ids)
     assert np.abs(ours - merged).max() <= TOL * max(1.0, np.abs(merged).max())
     assert np.abs(ours - theirs).max() > 10 * TOL  # dt/out_proj's LoRA does matter: the merged model carries it
 

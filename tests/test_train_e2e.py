@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny_model import make_corpus, make_model_dir
+from tiny_model import compiled_logits, make_corpus, make_model_dir
 
 pytest.importorskip("tvm")
 LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
@@ -63,18 +63,6 @@ def test_training_and_eval_loss_drop(trained):
     assert (trained / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def _lorac_logits(workdir, lora, ids):
-    """Logits of lorac's compiled forward graph with the given adapter."""
-    from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.weights import load_model
-    cfg, weights = load_model(workdir / "model")
-    spec = ModelSpec.from_hf_config(cfg)
-    train = TrainSpec(batch=1, seq=ids.shape[1], lora_targets=tuple(spec.targets), rank=16, alpha=32.0)
-    eng = Engine(spec, train, weights, "cpu", cache_dir=workdir / "cache")
-    return eng.logits(ids, lora)
-
-
 def test_peft_and_merged_exports_match_lorac_logits(workdir, trained):
     import torch
     from peft import PeftModel
@@ -83,7 +71,7 @@ def test_peft_and_merged_exports_match_lorac_logits(workdir, trained):
     lora = load_file(str(trained / "adapter" / "adapter_model.safetensors"))
     assert any(np.abs(v).max() > 0 for k, v in lora.items() if "lora_B" in k)
     ids = np.random.default_rng(0).integers(0, 60, (1, 24)).astype(np.int64)
-    ours = _lorac_logits(workdir, lora, ids)
+    ours = compiled_logits(workdir / "model", workdir / "cache", lora, ids)
     base = AutoModelForCausalLM.from_pretrained(workdir / "model").float().eval()
     peft = PeftModel.from_pretrained(base, trained / "adapter").eval()
     with torch.no_grad():

@@ -72,3 +72,17 @@ def make_corpus(path: Path, n: int = 200) -> Path:
     lines = [f"the {c} cat sat on the {m} mat.\n\n" for c, m in zip(["red", "big", "old", "sly"] * n, ["blue", "flat", "new"] * n)]
     Path(path).write_text("".join(lines[:n]))
     return Path(path)
+
+
+def compiled_logits(model_dir: Path, cache: Path, lora: dict, ids):
+    """Logits of lorac's compiled CPU forward graph (every target of the family, rank 16,
+    alpha 32) with the given LoRA tensors; tensors missing from `lora` are zero."""
+    import numpy as np
+    from lorac.graphs import ModelSpec, TrainSpec
+    from lorac.runtime.engine import Engine
+    from lorac.runtime.weights import load_model
+    cfg, weights = load_model(model_dir)
+    spec = ModelSpec.from_hf_config(cfg)
+    train = TrainSpec(batch=1, seq=ids.shape[1], lora_targets=tuple(spec.targets), rank=16, alpha=32.0)
+    eng = Engine(spec, train, weights, "cpu", cache_dir=cache, log=lambda m: None)
+    return eng.logits(ids, {n: lora.get(n, np.zeros(s, np.float32)) for n, s in eng.shapes.items()})
