@@ -1,17 +1,51 @@
-"""Relax passes shared by the GPU targets that have no vendor GEMM library in lorac
-(OpenCL, WebGPU, ROCm, Metal): every op, matmuls included, is a TVM kernel scheduled by
-DLight's default GPU rules (Matmul, GEMV, Reduction, GeneralReduction, Fallback)."""
+"""Relax passes shared by the GPU targets.
+
+`legalize_passes` is TVM's CUDA legalize phase (legalize, fuse, DLight default schedules)
+with one change: a DLight rule that raises on a kernel it claims (0.27's GPU Reduction rule
+asserts on the Mamba scan's fused contraction in fp32) counts as declining it, so the next
+rule (GeneralReduction, then Fallback) schedules that kernel instead of the build failing.
+
+`relax_passes` is the whole pipeline of the GPU targets that have no vendor GEMM library in
+lorac (OpenCL, WebGPU, ROCm, Metal): every op, matmuls included, is a TVM kernel."""
 from __future__ import annotations
+
+
+def _guarded(rule):
+    from tvm.s_tir.dlight.base import ScheduleRule
+
+    class Guarded(ScheduleRule):
+        def apply(self, func, target, tunable):
+            try:
+                return rule.apply(func, target, tunable)
+            except (AssertionError, ValueError, IndexError, RuntimeError):  # TVM's errors derive from these
+                return None
+
+        def is_target_available(self, target) -> bool:
+            return rule.is_target_available(target)
+
+    return Guarded()
+
+
+def legalize_passes(target) -> list:
+    from tvm import relax
+    from tvm.s_tir import dlight as dl
+
+    t = relax.transform
+    rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
+    return [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
+            dl.ApplyDefaultSchedule(*[_guarded(r) for r in rules], dl.gpu.Fallback())]
 
 
 def relax_passes(target) -> list:
     from tvm import relax
-    from tvm.relax.backend.cuda import pipeline as gpu  # these phases are target-generic
+    from tvm.relax.backend.cuda import (
+        pipeline as gpu,  # these phases are target-generic
+    )
 
     t = relax.transform
     finalize = [t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.KillAfterLastUse(), t.LowerRuntimeBuiltin(),
                 t.ComputePrimValue(), t.VMShapeLower(), t.AttachGlobalSymbol()]  # CUDA's, minus CUDA graphs
-    return (gpu.library_dispatch_passes(target) + gpu.legalize_passes(target)
+    return (gpu.library_dispatch_passes(target) + legalize_passes(target)
             + gpu.dataflow_lower_passes(target) + finalize)
 
 

@@ -111,6 +111,37 @@ def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
     return inputs, [entry(n, t) for n, t in zip(names, rets)]
 
 
+def _with_plan_probe(passes: list, plan: dict) -> list:
+    """`passes` with a read-only pass after StaticPlanBlockMemory that writes into `plan` the
+    bytes of device storage the static memory plan allocates (all planned tensors, shared by
+    lifetime) and the number of tensors left to the runtime's allocator (shapes it could not
+    plan, ops that allocate their own outputs): what a step needs beyond its inputs."""
+    import tvm
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="LoracRecordMemoryPlan")
+    def record(mod, _ctx):
+        stats = {"static_plan_bytes": 0, "runtime_allocations": 0}
+
+        def visit(e):
+            if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op):
+                if e.op.name == "relax.memory.alloc_storage":
+                    stats["static_plan_bytes"] += int(e.args[0].values[0])
+                elif e.op.name == "relax.builtin.alloc_tensor":
+                    stats["runtime_allocations"] += 1
+
+        relax.analysis.post_order_visit(mod["main"], visit)
+        plan.update(stats)
+        return mod
+
+    out = []
+    for p in passes:
+        out.append(p)
+        if p.info.name == "StaticPlanBlockMemory":
+            out.append(record)
+    return out
+
+
 def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tune: int = 0,
                   force: bool = False, verbose: bool = False) -> Path:
     """Compile an ONNX training graph (path or ModelProto) into an artifact directory.
@@ -161,7 +192,8 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         mod = tmod.tune(mod, tvm_target, tune, cache_dir=Path(art_dir).parent / ".lorac-tuning")
     import tvm
 
-    seq = tvm.transform.Sequential(tmod.relax_passes(tvm_target))
+    plan: dict = {}
+    seq = tvm.transform.Sequential(_with_plan_probe(tmod.relax_passes(tvm_target), plan))
 
     @tvm.transform.module_pass(opt_level=0, name="LoracRelaxPipeline")
     def pipeline(m, _ctx):

@@ -51,5 +51,7 @@ def frozen_weights_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:
     body = _Widen(mod, narrowed).visit_expr(func.body)
     new_func = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
     mod["main"] = new_func
-    # one widen per use was emitted; merge duplicates so each weight is widened once
-    return relax.transform.EliminateCommonSubexpr()(relax.transform.Normalize()(mod))
+    # One widen per use, each fused into its reader (or cancelled by a bf16 GEMM). No
+    # common-subexpression pass here: it would also merge a checkpointed layer's recomputed
+    # forward with the original and keep every activation alive until the backward.
+    return relax.transform.Normalize()(mod)

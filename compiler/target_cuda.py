@@ -56,10 +56,13 @@ def prepare(mod):
 
 
 def relax_passes(target) -> list:
-    """The stock CUDA phases: legalize + fuse + DLight (Matmul/GEMV/Reduction/Fallback), lower."""
+    """The stock CUDA phases: legalize + fuse + DLight (Matmul/GEMV/Reduction/Fallback, a rule
+    that raises falls through to the next: gpu_generic.py), lower."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
-    return (cuda.library_dispatch_passes(target) + cuda.legalize_passes(target)
+    from .gpu_generic import legalize_passes
+
+    return (cuda.library_dispatch_passes(target) + legalize_passes(target)
             + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
 
 
