@@ -1,6 +1,9 @@
 """Time a few steps of one artifact on a GPU machine (runtime-only TVM; no torch).
-Usage: h200_quick_step.py ART_DIR [STEPS]  (inputs: bench/h200_check.make_inputs, tiled)."""
+Usage: h200_quick_step.py ART_DIR [STEPS]  (inputs: bench/h200_check.make_inputs, tiled).
+Also prints the GPU memory in use after the steps (TVM's allocator keeps what the step
+took, so this is the step's peak plus the inputs) and the manifest's static memory plan."""
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,5 +27,7 @@ for _ in range(steps):
 step._dev.sync()
 dt = (time.perf_counter() - t) / steps
 tokens = int(inputs["input_ids"].size)
+used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                      capture_output=True, text=True, check=False).stdout.strip()
 print(json.dumps(dict(artifact=Path(art).name, warm_s=round(warm, 2), step_s=round(dt, 3), tok_s=round(tokens / dt),
-                      loss=float(out["loss"]))), flush=True)
+                      loss=float(out["loss"]), gpu_mem_used_mib=used, plan=step.manifest.get("memory"))), flush=True)

@@ -1,13 +1,16 @@
 """Build everything one H200 run of bench/h200_check.py needs, into a carried folder.
 
-    .venv/bin/python bench/prepare_h200.py .devrun-compiler
+    .venv/bin/python bench/prepare_h200.py .devrun-compiler [--only GLOB ...] [--no-runtime]
 
-Writes: art/ (CUDA artifacts of the 40M Qwen3 and Qwen3-0.6B shapes, a CPU fp32 artifact
-and its reference outputs), site/tvm (TVM without its compiler library: what a user's
-GPU machine would install), whl/ (the cp312 tvm-ffi wheel for the device's Python).
+Writes: art/ (CUDA artifacts of the 40M Qwen3, Qwen3-0.6B and Mamba shapes, CPU fp32
+artifacts and their reference outputs), site/tvm (TVM without its compiler library: what a
+user's GPU machine would install), whl/ (the cp312 tvm-ffi wheel for the device's Python).
+--only keeps the builds whose artifact name matches one of the globs.
 """
 from __future__ import annotations
 
+import argparse
+import fnmatch
 import shutil
 import subprocess
 import sys
@@ -18,6 +21,10 @@ import tvm  # noqa: F401 - only to locate the installed package
 
 from lorac.compiler import compile_graph
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
+from lorac.graphs.mamba_spec import MAMBA_TARGETS
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_mamba_cpu import MAMBA_130M  # noqa: E402
 
 QWEN3_40M = dict(arch="qwen3", vocab=32000, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64,
                  intermediate=1408, qk_norm=True)
@@ -36,22 +43,41 @@ BUILDS = [  # (name, model, B, S, dtype, target)
     ("40m", QWEN3_40M, 8, 1024, "bfloat16", "cuda-graph"),
     ("q06", QWEN3_06B, 8, 1024, "bfloat16", "cuda-graph"),
     ("q06", QWEN3_06B, 1, 512, "bfloat16", "cuda-graph"),
+    # Mamba: a 2-layer 130M-width slice (all four LoRA targets) checked against the CPU
+    # artifact, and the whole 130M shape with checkpointing on the HF peer's PEFT targets
+    ("m2", {**MAMBA_130M, "num_hidden_layers": 2}, 4, 256, "float32", "cpu"),
+    ("m2", {**MAMBA_130M, "num_hidden_layers": 2}, 4, 256, "float32", "cuda"),
+    ("m2", {**MAMBA_130M, "num_hidden_layers": 2}, 4, 256, "bfloat16", "cuda"),
+    ("mamba130m-ckpt", MAMBA_130M, 8, 1024, "bfloat16", "cuda"),
 ]
 
 
-def main(root: Path) -> None:
+def _graph(name: str, model: dict, B: int, S: int):
+    if model.get("model_type") == "mamba":
+        targets = MAMBA_TARGETS if name == "m2" else ("in_proj", "x_proj", "dt_proj")
+        spec = ModelSpec.from_hf_config(model)
+    else:
+        targets, spec = tuple(ALL_TARGETS), ModelSpec(**model)
+    train = TrainSpec(batch=B, seq=S, rank=16, alpha=32, lora_targets=targets, checkpointing=name.endswith("-ckpt"))
+    return build_training_graph(spec, train)
+
+
+def main(root: Path, only: list[str], runtime: bool) -> None:
     art = root / "art"
     art.mkdir(parents=True, exist_ok=True)
     for name, model, B, S, dtype, target in BUILDS:
-        train = TrainSpec(batch=B, seq=S, rank=16, alpha=32, lora_targets=tuple(ALL_TARGETS))
-        graph = build_training_graph(ModelSpec(**model), train)
         suffix = {"cuda": "", "cuda-graph": "-graph"}.get(target, "-" + target)
         out = art / f"{name}-{dtype}-{B}x{S}{suffix}"
+        if only and not any(fnmatch.fnmatch(out.name, pat) for pat in only):
+            continue
+        graph = _graph(name, model, B, S)
         request = {"kind": "cuda", "cuda_graph": True} if target == "cuda-graph" else target
         t = time.perf_counter()
         compile_graph(graph, target=request, out_dir=out, dtype=dtype)
         print(f"{out.name}: {time.perf_counter() - t:.1f} s", flush=True)
     subprocess.run([sys.executable, str(Path(__file__).with_name("h200_check.py")), "reference", str(art)], check=True)
+    if not runtime:
+        return
 
     # TVM as a GPU machine would have it: no libtvm_compiler.so, no 3rdparty headers
     src = Path(tvm.__file__).parent
@@ -66,4 +92,9 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--only", nargs="*", default=[], metavar="GLOB")
+    ap.add_argument("--no-runtime", dest="runtime", action="store_false", help="skip copying TVM's runtime")
+    args = ap.parse_args()
+    main(args.root, args.only, args.runtime)

@@ -217,6 +217,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
                    "tvm": _target_json(tvm_target)},
         "library": files.pop("library"),
         "inputs": inputs, "outputs": outputs, "gemm": gemm,
+        "memory": plan,
         "extra": files,
         "compile_seconds": {"import": round(t_import, 3), "build": round(t_build, 3),
                             "export": round(time.perf_counter() - t0 - t_import - t_build, 3)},

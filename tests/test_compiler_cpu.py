@@ -74,6 +74,7 @@ def test_manifest(graph, art):
     # every matmul went to BLAS, none is left to an untuned TVM kernel
     n_matmul = sum(n.op_type == "MatMul" for n in model.graph.node)
     assert m["gemm"]["dispatched"] == n_matmul and m["gemm"]["left_to_tvm"] == []
+    assert m["memory"]["static_plan_bytes"] > 0 and m["memory"]["runtime_allocations"] >= 0
     assert (art / m["library"]).is_file()
 
 
