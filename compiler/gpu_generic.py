@@ -4,6 +4,9 @@
 with one change: a DLight rule that raises on a kernel it claims (0.27's GPU Reduction rule
 asserts on the Mamba scan's fused contraction in fp32) counts as declining it, so the next
 rule (GeneralReduction, then Fallback) schedules that kernel instead of the build failing.
+Reductions that every DLight rule declines (0.27's rules take sums but not `max`: the loss's
+row max over the vocabulary fell to Fallback, one thread per row, 79 ms of a 347 ms Qwen3-0.6B
+step on the H200) get `RowReduction` before Fallback.
 
 `relax_passes` is the whole pipeline of the GPU targets that have no vendor GEMM library in
 lorac (OpenCL, WebGPU, ROCm, Metal): every op, matmuls included, is a TVM kernel."""
@@ -26,6 +29,48 @@ def _guarded(rule):
     return Guarded()
 
 
+_THREADS = 256
+
+
+def _row_reduction():
+    from tvm import s_tir, tirx
+    from tvm.s_tir.dlight.analysis import normalize_prim_func
+    from tvm.s_tir.dlight.base import ScheduleRule, try_inline
+
+    class RowReduction(ScheduleRule):
+        """One reduction block (after inlining its injective producers) whose spatial axes
+        come before its reduced ones: the spatial axes fused across thread blocks, the
+        reduced axes fused and split across 256 threads, which TVM lowers to a cross-thread
+        (warp shuffle) reduction. Reads are coalesced along the reduced axis."""
+
+        def apply(self, func, target, _tunable):
+            if not isinstance(func, tirx.PrimFunc):
+                return None
+            sch = s_tir.Schedule(func)
+            infos = normalize_prim_func(sch)
+            if infos is None:
+                return None
+            infos = try_inline(sch, infos)
+            if len(infos) != 1:
+                return None
+            kinds = infos[0].dom_kind()
+            n_s = len(kinds) - len(kinds.lstrip("S"))
+            if "R" not in kinds or set(kinds[n_s:]) != {"R"}:
+                return None
+            block = infos[0].block_rv
+            loops = sch.get_loops(block)
+            if len(loops) != len(kinds):
+                return None
+            if n_s:
+                sch.bind(sch.fuse(*loops[:n_s]) if n_s > 1 else loops[0], "blockIdx.x")
+            red = sch.fuse(*loops[n_s:]) if len(loops) - n_s > 1 else loops[n_s]
+            _, tx = sch.split(red, factors=[None, _THREADS])
+            sch.bind(tx, "threadIdx.x")
+            return sch
+
+    return RowReduction()
+
+
 def legalize_passes(target) -> list:
     from tvm import relax
     from tvm.s_tir import dlight as dl
@@ -33,7 +78,7 @@ def legalize_passes(target) -> list:
     t = relax.transform
     rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
     return [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
-            dl.ApplyDefaultSchedule(*[_guarded(r) for r in rules], dl.gpu.Fallback())]
+            dl.ApplyDefaultSchedule(*[_guarded(r) for r in rules], _guarded(_row_reduction()), dl.gpu.Fallback())]
 
 
 def relax_passes(target) -> list:
