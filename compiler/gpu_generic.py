@@ -30,16 +30,19 @@ def _guarded(rule):
 
 
 _THREADS = 256
+_MIN_EXTENT = 4 * _THREADS
 
 
 def _row_reduction():
     from tvm import s_tir, tirx
     from tvm.s_tir.dlight.analysis import normalize_prim_func
     from tvm.s_tir.dlight.base import ScheduleRule, try_inline
+    from tvm.s_tir.dlight.base.utils import get_extent
 
     class RowReduction(ScheduleRule):
         """One reduction block (after inlining its injective producers) whose spatial axes
-        come before its reduced ones: the spatial axes fused across thread blocks, the
+        come before its reduced ones, reducing over at least 1024 elements (a vocabulary
+        row): the spatial axes fused across thread blocks, the
         reduced axes fused and split across 256 threads, which TVM lowers to a cross-thread
         (warp shuffle) reduction. Reads are coalesced along the reduced axis."""
 
@@ -61,6 +64,12 @@ def _row_reduction():
             loops = sch.get_loops(block)
             if len(loops) != len(kinds):
                 return None
+            extent = 1
+            for lp in loops[n_s:]:
+                e = get_extent(sch, lp)
+                extent = extent * e if isinstance(e, int) else 0
+            if extent < _MIN_EXTENT:  # short reductions (GQA's head groups, Mamba's chunk) stay
+                return None  # with Fallback: one thread per output beats 256 mostly idle ones
             if n_s:
                 sch.bind(sch.fuse(*loops[:n_s]) if n_s > 1 else loops[0], "blockIdx.x")
             red = sch.fuse(*loops[n_s:]) if len(loops) - n_s > 1 else loops[n_s]
