@@ -112,7 +112,8 @@ def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
 
 
 def _with_plan_probe(passes: list, plan: dict) -> list:
-    """`passes` with a read-only pass after StaticPlanBlockMemory that writes into `plan` the
+    """`passes` with CachedLegalize before LegalizeOps (legalize_cache.py) and a read-only
+    pass after StaticPlanBlockMemory that writes into `plan` the
     bytes of device storage the static memory plan allocates (all planned tensors, shared by
     lifetime) and the number of tensors left to the runtime's allocator (shapes it could not
     plan, ops that allocate their own outputs): what a step needs beyond its inputs."""
@@ -134,8 +135,12 @@ def _with_plan_probe(passes: list, plan: dict) -> list:
         plan.update(stats)
         return mod
 
+    from .legalize_cache import CachedLegalize
+
     out = []
     for p in passes:
+        if p.info.name == "LegalizeOps":
+            out.append(CachedLegalize)
         out.append(p)
         if p.info.name == "StaticPlanBlockMemory":
             out.append(record)
