@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 (default), or bfloat16 frozen weights and GEMM inputs with "
                         "fp32 accumulation, LoRA tensors, loss and gradients (GPU targets)")
     p.add_argument("--tune", type=int, default=0, metavar="TRIALS",
-                   help="MetaSchedule trials for the non-GEMM kernels (cpu only; 0 = DLight/default "
-                        "schedules); the tuning database is cached beside the artifact")
+                   help="MetaSchedule trials for the non-GEMM kernels (cpu only; 0 = default "
+                        "schedules); a tuned kernel is kept only where faster than its default; "
+                        "the database, DIR/../.lorac-tuning/cpu-tuning.json, is reused by later "
+                        "compiles (the artifact cache ignores --tune: add --force)")
     p.add_argument("--force", action="store_true", help="rebuild even when the artifact is up to date")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     return p

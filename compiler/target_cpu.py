@@ -34,12 +34,21 @@ def check_environment(request: dict) -> None:
         raise LoracError("target cpu needs a C compiler (cc/gcc) to link the artifact library")
 
 
+def tune(mod, target, trials: int, cache_dir):
+    """--tune: MetaSchedule for the non-GEMM kernels, records kept in cache_dir (cpu_tune)."""
+    from .cpu_tune import tune as ms_tune
+
+    return ms_tune(mod, target, trials, cache_dir)
+
+
 def relax_passes(target) -> list:
-    """Legalize, fuse, give every fused kernel a parallel loop (cpu_schedule), lower."""
+    """Legalize, fuse, put tuned schedules (--tune) on the kernels that have one, give every
+    other fused kernel a parallel loop (cpu_schedule), lower."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
     from .cpu_schedule import ParallelizeCPU
+    from .cpu_tune import ApplyTuned
 
     return (cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)
-            + [ParallelizeCPU(target)]
+            + [ApplyTuned(target), ParallelizeCPU(target)]
             + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))
