@@ -1,6 +1,6 @@
 """`--tune TRIALS` on the CPU target: MetaSchedule for the non-GEMM kernels.
 
-tune() legalizes and fuses the module as target_cpu.relax_passes does and takes the fused
+tune() runs target_cpu.relax_passes up to ApplyTuned (legalize, fuse) and takes the fused
 kernels as MetaSchedule tasks. The heaviest ones (argument bytes x uses) get a share of the
 trials each; the best candidate of a task is then timed again next to the default schedule
 cpu_schedule would give it, and kept only when it is clearly faster. Every task measured,
@@ -132,12 +132,13 @@ def _write(path: Path, key: str, entries: dict) -> None:
 
 
 def _fused_tasks(mod, target) -> list:
-    """The fused kernels as relax_passes makes them (same passes, same context)."""
-    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+    """The kernels ApplyTuned will see: relax_passes up to it, in the build's context."""
+    from .target_cpu import relax_passes
 
+    passes = relax_passes(target)
+    upto = next(i for i, p in enumerate(passes) if p.info.name == "LoracApplyTuned")
     with target, tvm.transform.PassContext(opt_level=3):
-        fused = tvm.transform.Sequential(cpu_generic.library_dispatch_passes(target)
-                                         + cpu_generic.legalize_passes(target))(mod)
+        fused = tvm.transform.Sequential(passes[:upto])(mod)
         return ms.relax_integration.extract_tasks(fused, target)
 
 
