@@ -3,9 +3,12 @@
 LLVM lowers TVM's `exp` to a call of libm's scalar `expf` per element, which no schedule
 can vectorize: on the 2-core host the loss's exp over a [1024, 32000] logits block took
 ~150 ms and attention's softmax ~18 ms a layer, about half of the 40M step's non-GEMM time.
-`topi.fast_exp` is the Cephes range reduction + degree-6 polynomial in plain arithmetic
-(about 1 ulp in fp32 over its range; inputs are clamped to [-88.38, 88.38], so exp(-inf)
-gives ~1e-38, not 0), which vectorizes. The rewrite runs on the imported module, before
+`topi.fast_exp` is a Cephes-style range reduction + polynomial in plain arithmetic, which
+vectorizes. Measured against float64: relative error <= 7e-8 on [-1, 1], growing with |x| to
+~1.1e-6 at |x| = 30 (those values are e^-30 and below, negligible next to the terms they are
+summed with); results under fp32's smallest normal (x < -87.7, and -inf) are exactly 0. The
+graphs only exponentiate non-positive values (max-subtracted logits, Mamba's decays) or
+feed sigmoid. The rewrite runs on the imported module, before
 legalization; GPU targets keep their own exp (CUDA's `__expf`-class intrinsics are fast).
 """
 from __future__ import annotations

@@ -6,8 +6,8 @@ library linked with the system C compiler.
 """
 from __future__ import annotations
 
+from .fast_math import fast_math as prepare  # noqa: F401 - exp/sigmoid/softmax that vectorize
 from .target_common import export_shared_library as export  # noqa: F401 - target interface
-from .target_common import unchanged as prepare  # noqa: F401
 
 FAMILY = "cpu"
 DEVICE = "cpu"
