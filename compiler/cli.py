@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MetaSchedule trials for the non-GEMM kernels (cpu only; 0 = default "
                         "schedules); a tuned kernel is kept only where faster than its default; "
                         "the database, DIR/../.lorac-tuning/cpu-tuning.json, is reused by later "
-                        "compiles (the artifact cache ignores --tune: add --force)")
+                        "compiles")
     p.add_argument("--force", action="store_true", help="rebuild even when the artifact is up to date")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     return p

@@ -46,8 +46,8 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def cache_key(graph_sha256: str, target: dict, dtype: str) -> dict:
-    return {"graph_sha256": graph_sha256, "target": target, "dtype": dtype,
+def cache_key(graph_sha256: str, target: dict, dtype: str, tune: int = 0) -> dict:
+    return {"graph_sha256": graph_sha256, "target": target, "dtype": dtype, "tune": tune,
             "lorac_version": lorac_version(), "tvm_version": tvm_version()}
 
 

@@ -162,7 +162,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         raise LoracError(f"target {family} supports dtype {', '.join(tmod.DTYPES)}, not {dtype}")
     proto, sha = _load_onnx(model)
     art_dir = Path(out_dir) if out_dir is not None else Path("artifacts") / f"{sha[:12]}-{family}-{dtype}"
-    key = mf.cache_key(sha, request, dtype)
+    key = mf.cache_key(sha, request, dtype, int(tune))
     if not force and mf.matches(mf.read(art_dir), key, art_dir):
         return art_dir
 
