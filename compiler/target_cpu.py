@@ -6,13 +6,19 @@ library linked with the system C compiler.
 """
 from __future__ import annotations
 
-from .fast_math import fast_math as prepare  # noqa: F401 - exp/sigmoid/softmax that vectorize
 from .target_common import export_shared_library as export  # noqa: F401 - target interface
 
 FAMILY = "cpu"
 DEVICE = "cpu"
 GEMM_LIBRARY = True  # numpy's BLAS through lorac.runtime.gemm_cpu
 DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
+
+
+def prepare(mod):
+    """exp/sigmoid/softmax that vectorize (fast_math.py; imported here, not at the top, so a
+    cache hit never imports TVM)."""
+    from .fast_math import fast_math
+    return fast_math(mod)
 
 
 def tvm_target(request: dict):
