@@ -37,6 +37,7 @@ def _cuda_plan(model, dtype: str) -> dict:
     unscheduled = [gv.name_hint for gv, f in mod.functions_items()
                    if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)]
     assert not unscheduled, unscheduled
+    plan["_mod"] = mod
     return plan
 
 
@@ -81,3 +82,18 @@ def test_bf16_keeps_recomputed_layers(make):
         mod = from_onnx(make(True), keep_params_in_input=False)
     before = _op_counts(mod)
     assert _op_counts(frozen_weights_to_bf16(mod)) == before
+
+
+def test_row_max_gets_threads_short_sums_do_not():
+    # DLight 0.27 declines `max`: the loss's row max over the vocabulary fell to Fallback (one
+    # thread per row, 79 ms of a Qwen3-0.6B step). RowReduction spreads a long row over 256
+    # threads; GQA's sum over a 2-head group must not get 256 threads for 2 elements.
+    spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "vocab_size": 2048})
+    model = build_training_graph(spec, TrainSpec(batch=2, seq=8, rank=4, lora_targets=tuple(ALL_TARGETS)))
+    mod = _cuda_plan(model, "bfloat16")["_mod"]
+    funcs = {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    row_max = [n for n in funcs if n.startswith("max")]
+    assert row_max and all('T.thread_binding(T.int64(256), thread="threadIdx.x")' in funcs[n] for n in row_max)
+    group_sums = [n for n, text in funcs.items() if "stack" in n and "sum" in n]
+    assert group_sums and not any('T.thread_binding(T.int64(256), thread="threadIdx.x")' in funcs[n]
+                                  for n in group_sums)
