@@ -40,11 +40,10 @@ def _row_reduction():
     from tvm.s_tir.dlight.base.utils import get_extent
 
     class RowReduction(ScheduleRule):
-        """One reduction block (after inlining its injective producers) whose spatial axes
-        come before its reduced ones, reducing over at least 1024 elements (a vocabulary
-        row): the spatial axes fused across thread blocks, the
-        reduced axes fused and split across 256 threads, which TVM lowers to a cross-thread
-        (warp shuffle) reduction. Reads are coalesced along the reduced axis."""
+        """One reduction block (after inlining its injective producers), spatial axes
+        before reduced ones, reducing at least 1024 elements (a vocabulary row): spatial
+        axes fused across thread blocks, reduced axes fused and split across 256 threads,
+        which TVM lowers to a cross-thread (warp shuffle) reduction with coalesced reads."""
 
         def apply(self, func, target, _tunable):
             if not isinstance(func, tirx.PrimFunc):
