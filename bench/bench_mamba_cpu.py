@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
     ap.add_argument("--cache-dir", default=".lorac-cache")
+    ap.add_argument("--scan-chunk", type=int, default=None, help="scan chunk length (default: the graph's)")
     args = ap.parse_args()
 
     from lorac.graphs import ModelSpec, TrainSpec
@@ -62,7 +63,9 @@ def main() -> None:
     from lorac.runtime.train import init_lora
 
     spec = ModelSpec.from_hf_config({**MAMBA_130M, "num_hidden_layers": args.layers})
-    train = TrainSpec(batch=args.batch, seq=args.seq, lora_targets=tuple(args.targets.split(",")), rank=16, alpha=32)
+    extra = {} if args.scan_chunk is None else {"scan_chunk": args.scan_chunk}
+    train = TrainSpec(batch=args.batch, seq=args.seq, lora_targets=tuple(args.targets.split(",")), rank=16, alpha=32,
+                      extra=extra)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, total_steps=args.steps + 1)
     eng = Engine(spec, train, random_weights(spec), "cpu", "float32", args.cache_dir, optim, log=lambda m: None)
     t0 = time.perf_counter()
