@@ -14,8 +14,10 @@ legalization; GPU targets keep their own exp (CUDA's `__expf`-class intrinsics a
 from __future__ import annotations
 
 import tvm
-from tvm import relax, topi
+from tvm import topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .relax_rewrite import rewrite_functions
 
 
 def _sigmoid(x):
@@ -24,16 +26,6 @@ def _sigmoid(x):
 
 @mutator
 class _FastMath(PyExprMutator):
-    def __init__(self, mod):
-        super().__init__(mod)
-        self.mod_ = mod
-
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
-
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op) or getattr(call.ty, "dtype", None) != "float32":
@@ -51,4 +43,4 @@ class _FastMath(PyExprMutator):
 
 def fast_math(mod: tvm.IRModule) -> tvm.IRModule:
     """exp / sigmoid / softmax (fp32) -> fast_exp-based TE kernels; the rest unchanged."""
-    return _FastMath(mod).transform()
+    return rewrite_functions(_FastMath(mod), mod)

@@ -29,6 +29,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .relax_rewrite import rewrite_functions
+
 GEMM_PREFIX = "lorac.gemm_"
 GEMM_NAMES = tuple(GEMM_PREFIX + a + b for a in "nt" for b in "nt")
 
@@ -62,17 +64,10 @@ def _swaps_last_two(axes, ndim: int) -> bool:
 class _GemmRewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, compute_dtype: str):
         super().__init__(mod)
-        self.mod_ = mod
         self.compute_dtype = compute_dtype
         self.rewritten = 0
         self.left = []  # matmuls kept as TVM kernels, with the reason
         self.narrowed = {}  # activation -> its bf16 cast, so each is cast once
-
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
 
     def _producer(self, expr):
         """The call that bound `expr`, looking through plain variables."""
@@ -147,6 +142,6 @@ def dispatch_gemms(mod: tvm.IRModule, compute_dtype: str = "float32") -> tuple[t
     imported module before legalization; dead permutes are removed afterwards.
     """
     rw = _GemmRewriter(mod, compute_dtype)
-    mod = rw.transform()
+    mod = rewrite_functions(rw, mod)
     mod = relax.transform.DeadCodeElimination()(mod)
     return mod, rw.rewritten, rw.left

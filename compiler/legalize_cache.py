@@ -18,6 +18,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .relax_rewrite import rewrite_functions
+
 
 def _canonical(call: relax.Call):
     """(call with every distinct Var argument, also inside a Tuple, replaced by a typed
@@ -45,15 +47,8 @@ def _canonical(call: relax.Call):
 class _Legalizer(PyExprMutator):
     def __init__(self, mod):
         super().__init__(mod)
-        self.mod_ = mod
         # signature hash -> [(canonical call, PrimFunc gvar, positions of its args, out type)]
         self.cache: dict[int, list] = {}
-
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
@@ -81,4 +76,4 @@ _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 @tvm.transform.module_pass(opt_level=0, name="LoracCachedLegalize")
 def CachedLegalize(mod, _ctx):  # noqa: N802 - a pass, named like TVM's
-    return _Legalizer(mod).transform()
+    return rewrite_functions(_Legalizer(mod), mod)
