@@ -9,24 +9,21 @@ one. Kernels the rules cannot normalize stay serial (correct, just slower).
 """
 from __future__ import annotations
 
-from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import ScheduleRule, try_inline
+from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.base.utils import get_extent
+
+from .target_common import inlined_blocks
 
 _VEC = 8  # fp32 lanes of a 256-bit vector; LLVM legalizes wider or narrower hardware
 
 
 class ParallelFallback(ScheduleRule):
     def apply(self, func, target, _tunable):
-        if not isinstance(func, tirx.PrimFunc):
+        found = inlined_blocks(func)
+        if found is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline(sch, infos)
+        sch, infos = found
         for info in infos:
             block = info.block_rv
             loops = sch.get_loops(block)

@@ -34,10 +34,10 @@ _MIN_EXTENT = 4 * _THREADS
 
 
 def _row_reduction():
-    from tvm import s_tir, tirx
-    from tvm.s_tir.dlight.analysis import normalize_prim_func
-    from tvm.s_tir.dlight.base import ScheduleRule, try_inline
+    from tvm.s_tir.dlight.base import ScheduleRule
     from tvm.s_tir.dlight.base.utils import get_extent
+
+    from .target_common import inlined_blocks
 
     class RowReduction(ScheduleRule):
         """One reduction block (after inlining its injective producers), spatial axes
@@ -46,13 +46,10 @@ def _row_reduction():
         which TVM lowers to a cross-thread (warp shuffle) reduction with coalesced reads."""
 
         def apply(self, func, target, _tunable):
-            if not isinstance(func, tirx.PrimFunc):
+            found = inlined_blocks(func)
+            if found is None:
                 return None
-            sch = s_tir.Schedule(func)
-            infos = normalize_prim_func(sch)
-            if infos is None:
-                return None
-            infos = try_inline(sch, infos)
+            sch, infos = found
             if len(infos) != 1:
                 return None
             kinds = infos[0].dom_kind()
