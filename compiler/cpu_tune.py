@@ -1,7 +1,7 @@
 """`--tune TRIALS` on the CPU target: MetaSchedule for the non-GEMM kernels.
 
-tune() runs target_cpu.relax_passes up to ApplyTuned (legalize, fuse) and takes the fused
-kernels as MetaSchedule tasks. The heaviest ones (argument bytes x uses) get a share of the
+tune() runs the build's passes (pipeline.build_passes of target_cpu.relax_passes) up to
+ApplyTuned (legalize, fuse) and takes the fused kernels as MetaSchedule tasks. The heaviest ones (argument bytes x uses) get a share of the
 trials each; the best candidate of a task is then timed again next to the default schedule
 cpu_schedule would give it, and kept only when it is clearly faster. Every task measured,
 kept or not, goes into a JSON database under cache_dir, keyed by the task's structural
@@ -132,10 +132,11 @@ def _write(path: Path, key: str, entries: dict) -> None:
 
 
 def _fused_tasks(mod, target) -> list:
-    """The kernels ApplyTuned will see: relax_passes up to it, in the build's context."""
+    """The kernels ApplyTuned will see: the build's passes up to it, in its context."""
+    from .pipeline import build_passes
     from .target_cpu import relax_passes
 
-    passes = relax_passes(target)
+    passes = build_passes(relax_passes(target))
     upto = next(i for i, p in enumerate(passes) if p.info.name == "LoracApplyTuned")
     with target, tvm.transform.PassContext(opt_level=3):
         fused = tvm.transform.Sequential(passes[:upto])(mod)

@@ -111,14 +111,18 @@ def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
     return inputs, [entry(n, t) for n, t in zip(names, rets)]
 
 
-def _with_plan_probe(passes: list, plan: dict) -> list:
-    """`passes` with CachedLegalize before LegalizeOps (legalize_cache.py) and a read-only
-    pass after StaticPlanBlockMemory that writes into `plan` the
-    bytes of device storage the static memory plan allocates (all planned tensors, shared by
-    lifetime) and the number of tensors left to the runtime's allocator (shapes it could not
-    plan, ops that allocate their own outputs): what a step needs beyond its inputs."""
+def build_passes(passes: list, plan: dict | None = None) -> list:
+    """A target's Relax `passes` as lorac builds with them: CachedLegalize before
+    LegalizeOps (legalize_cache.py), and, given a `plan` dict, a read-only pass after
+    StaticPlanBlockMemory that writes into it the bytes of device storage the static memory
+    plan allocates (all planned tensors, shared by lifetime) and the number of tensors left
+    to the runtime's allocator (shapes it could not plan, ops that allocate their own
+    outputs): what a step needs beyond its inputs. --tune extracts its kernels with the
+    same list, so tuned records match the build's kernels."""
     import tvm
     from tvm import relax
+
+    from .legalize_cache import CachedLegalize
 
     @tvm.transform.module_pass(opt_level=0, name="LoracRecordMemoryPlan")
     def record(mod, _ctx):
@@ -135,14 +139,12 @@ def _with_plan_probe(passes: list, plan: dict) -> list:
         plan.update(stats)
         return mod
 
-    from .legalize_cache import CachedLegalize
-
     out = []
     for p in passes:
         if p.info.name == "LegalizeOps":
             out.append(CachedLegalize)
         out.append(p)
-        if p.info.name == "StaticPlanBlockMemory":
+        if p.info.name == "StaticPlanBlockMemory" and plan is not None:
             out.append(record)
     return out
 
@@ -198,7 +200,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     import tvm
 
     plan: dict = {}
-    seq = tvm.transform.Sequential(_with_plan_probe(tmod.relax_passes(tvm_target), plan))
+    seq = tvm.transform.Sequential(build_passes(tmod.relax_passes(tvm_target), plan))
 
     @tvm.transform.module_pass(opt_level=0, name="LoracRelaxPipeline")
     def pipeline(m, _ctx):

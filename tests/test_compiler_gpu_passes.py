@@ -19,7 +19,7 @@ def _cuda_plan(model, dtype: str) -> dict:
     """Run compile_graph's CUDA Relax passes (import, bf16, GEMM dispatch, legalize, DLight,
     memory plan) without codegen; -> the recorded plan. Raises if a kernel is left unscheduled."""
     from lorac.compiler.gemm import dispatch_gemms
-    from lorac.compiler.pipeline import _with_plan_probe
+    from lorac.compiler.pipeline import build_passes
     from lorac.compiler.precision import frozen_weights_to_bf16
     from lorac.compiler.target_cuda import relax_passes, tvm_target
     from tvm.relax.frontend.onnx import from_onnx
@@ -33,7 +33,7 @@ def _cuda_plan(model, dtype: str) -> dict:
     plan: dict = {}
     target = tvm_target({"kind": "cuda"})
     with target, tvm.transform.PassContext(opt_level=3):
-        mod = tvm.transform.Sequential(_with_plan_probe(relax_passes(target), plan))(mod)
+        mod = tvm.transform.Sequential(build_passes(relax_passes(target), plan))(mod)
     unscheduled = [gv.name_hint for gv, f in mod.functions_items()
                    if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)]
     assert not unscheduled, unscheduled
