@@ -35,3 +35,19 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
             out[i.name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
     out["labels"][0, 0] = -100
     return out
+
+
+def saved_training_graph(folder) -> tuple:
+    """(path, model): small_training_graph() written to folder/train.onnx."""
+    model = small_training_graph()
+    path = folder / "train.onnx"
+    onnx.save(model, str(path))
+    return path, model
+
+
+def assert_outputs_close(got: dict, want: dict, rel: float) -> None:
+    """Same output names, and each output's max abs difference <= rel x its max abs value."""
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        err = np.abs(got[name] - ref).max() / max(np.abs(ref).max(), 1e-30)
+        assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"

@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 
-from _compiler_graphs import random_inputs, small_training_graph
+from _compiler_graphs import assert_outputs_close, random_inputs, saved_training_graph, small_training_graph
 from lorac.compiler import compile_graph
 from lorac.runtime.artifact import load_artifact
 from lorac.runtime.errors import LoracError
@@ -22,10 +21,7 @@ from lorac.runtime.errors import LoracError
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory):
-    model = small_training_graph()
-    path = tmp_path_factory.mktemp("graph") / "train.onnx"
-    onnx.save(model, str(path))
-    return path, model
+    return saved_training_graph(tmp_path_factory.mktemp("graph"))
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +37,13 @@ def _ort_run(model, inputs):
     return dict(zip(names, sess.run(names, inputs)))
 
 
-def _assert_close(got: dict, want: dict, rel: float):
-    assert set(got) == set(want)
-    for name, ref in want.items():
-        err = np.abs(got[name] - ref).max() / max(np.abs(ref).max(), 1e-30)
-        assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
-
-
 def test_matches_onnxruntime(graph, art):
     _, model = graph
     step = load_artifact(art, device="cpu")
     for seed in (0, 1):
         inputs = random_inputs(model, seed)
         out = step(inputs)
-        _assert_close(out, _ort_run(model, inputs), 1e-5)
+        assert_outputs_close(out, _ort_run(model, inputs), 1e-5)
         assert out["loss"].shape == () and all(np.abs(v).max() > 0 for v in out.values())
 
 
@@ -150,7 +139,7 @@ print("modules:", "tvm.relax" in sys.modules, "onnxruntime" in sys.modules)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "modules: False False" in r.stdout
     got = dict(np.load(tmp_path / "out.npz"))
-    _assert_close(got, want, 1e-5)
+    assert_outputs_close(got, want, 1e-5)
 
 
 def test_cli(graph, art, tmp_path, capsys):

@@ -8,11 +8,9 @@ import json
 import logging
 import time
 
-import numpy as np
-import onnx
 import pytest
 
-from _compiler_graphs import random_inputs, small_training_graph
+from _compiler_graphs import assert_outputs_close, random_inputs, saved_training_graph
 from lorac.compiler import compile_graph, cpu_tune
 from lorac.compiler.cli import compile_command
 from lorac.runtime.artifact import load_artifact
@@ -23,22 +21,12 @@ TRIALS = 16  # two kernels x 8 candidates: ~5 s of tuning on the 2-core box
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory):
-    model = small_training_graph()
-    path = tmp_path_factory.mktemp("graph") / "train.onnx"
-    onnx.save(model, str(path))
-    return path, model
+    return saved_training_graph(tmp_path_factory.mktemp("graph"))
 
 
 @pytest.fixture(scope="module")
 def untuned(graph, tmp_path_factory):
     return compile_graph(graph[0], target="cpu", out_dir=tmp_path_factory.mktemp("untuned") / "cpu")
-
-
-def _assert_close(got: dict, want: dict, rel: float):
-    assert set(got) == set(want)
-    for name, ref in want.items():
-        err = np.abs(got[name] - ref).max() / max(np.abs(ref).max(), 1e-30)
-        assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
 
 
 def test_tune_matches_untuned_and_reuses_database(graph, untuned, tmp_path, monkeypatch, caplog):
@@ -60,7 +48,7 @@ def test_tune_matches_untuned_and_reuses_database(graph, untuned, tmp_path, monk
     step, ref = load_artifact(art, "cpu"), load_artifact(untuned, "cpu")
     for seed in (0, 1):
         inputs = random_inputs(model, seed)
-        _assert_close(step(inputs), ref(inputs), 1e-5)
+        assert_outputs_close(step(inputs), ref(inputs), 1e-5)
 
     # a second compile finds every kernel in the database: no tuning, database untouched
     def no_tuning(*_a, **_k):
@@ -74,7 +62,7 @@ def test_tune_matches_untuned_and_reuses_database(graph, untuned, tmp_path, monk
     assert time.perf_counter() - t0 < 30  # a plain compile is ~4-7 s here
     assert db_path.read_bytes() == before
     assert "tuning 0 of" in caplog.text and f"applied {len(section)} tuned" in caplog.text
-    _assert_close(load_artifact(again, "cpu")(random_inputs(model, 0)), ref(random_inputs(model, 0)), 1e-5)
+    assert_outputs_close(load_artifact(again, "cpu")(random_inputs(model, 0)), ref(random_inputs(model, 0)), 1e-5)
 
 
 def test_tune_keeps_default_where_it_is_not_faster(graph, untuned, tmp_path, monkeypatch, caplog):
@@ -90,7 +78,7 @@ def test_tune_keeps_default_where_it_is_not_faster(graph, untuned, tmp_path, mon
     assert entry["record"] is None and entry["default_us"] > 0 and entry["tuned_us"] > 0
     assert "applied 0 tuned kernel schedules" in caplog.text
     inputs = random_inputs(model, 0)
-    _assert_close(load_artifact(art, "cpu")(inputs), load_artifact(untuned, "cpu")(inputs), 1e-5)
+    assert_outputs_close(load_artifact(art, "cpu")(inputs), load_artifact(untuned, "cpu")(inputs), 1e-5)
 
 
 def test_tune_skips_a_failing_kernel_and_fails_when_all_do(graph, untuned, tmp_path, monkeypatch):
@@ -114,7 +102,7 @@ def test_tune_skips_a_failing_kernel_and_fails_when_all_do(graph, untuned, tmp_p
     assert len(section) == 2 and len(errors) == 1
     assert errors[0]["error"] == "simulated MetaSchedule failure" and errors[0]["record"] is None
     inputs = random_inputs(model, 0)
-    _assert_close(load_artifact(art, "cpu")(inputs), load_artifact(untuned, "cpu")(inputs), 1e-5)
+    assert_outputs_close(load_artifact(art, "cpu")(inputs), load_artifact(untuned, "cpu")(inputs), 1e-5)
 
     def always_fails(task, target):
         raise RuntimeError("simulated MetaSchedule failure")
