@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from h200_check import make_inputs  # noqa: E402 - the same deterministic inputs
+from h200_check import device_inputs  # noqa: E402 - the same deterministic inputs
 
 from lorac.compiler import compile_graph  # noqa: E402
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph  # noqa: E402
@@ -62,8 +62,7 @@ def main() -> None:
         art = compile_graph(graph, target="cpu", out_dir=Path(args.cache) / f"{name}-cpu")
         compile_s = time.perf_counter() - t
         step = load_artifact(art, "cpu")
-        inputs = make_inputs(step.manifest, exact=False)
-        dev_args = {s["name"]: step._to_device(s, inputs[s["name"]]) for s in step.inputs}
+        inputs, dev_args = device_inputs(step)
         lorac_t = time_calls(lambda: step(dev_args, as_numpy=False), args.steps)
 
         so = ort.SessionOptions()

@@ -56,7 +56,14 @@ def reference(art_root: Path) -> None:
         print("reference", d.name, "loss", float(out["loss"]))
 
 
-def _timed(step, args, n=10, warm=3) -> float:
+def device_inputs(step) -> tuple[dict, dict]:
+    """(host inputs, the same uploaded to the step's device) for timing: tiled, not exact."""
+    inputs = make_inputs(step.manifest, exact=False)
+    return inputs, {s["name"]: step.upload(s, inputs[s["name"]]) for s in step.inputs}
+
+
+def time_step(step, args, n=10, warm=3) -> float:
+    """Seconds per call of `step` on device inputs, after `warm` untimed calls."""
     for _ in range(warm):
         step(args, as_numpy=False)
     step._dev.sync()
@@ -98,9 +105,8 @@ def device(art_root: Path, out_dir: Path) -> None:
                     rel.append(np.abs(g - w).max() / np.abs(w).max())
                     cos.append(g @ w / (np.linalg.norm(g) * np.linalg.norm(w)))
                 r["grad_max_rel"], r["grad_min_cos"] = float(max(rel)), float(min(cos))
-            inputs = make_inputs(step.manifest, exact=False)
-            args = {s["name"]: step._to_device(s, inputs[s["name"]]) for s in step.inputs}
-            r["step_ms"] = round(_timed(step, args) * 1e3, 3)
+            _, args = device_inputs(step)
+            r["step_ms"] = round(time_step(step, args) * 1e3, 3)
             # host side alone: how long 10 calls take to enqueue, before waiting for the GPU
             t = time.perf_counter()
             for _ in range(10):
@@ -116,7 +122,7 @@ def device(art_root: Path, out_dir: Path) -> None:
             # the same step with every GEMM a no-op: TVM's kernels + VM/host overhead
             for name in ("lorac.gemm_nn", "lorac.gemm_nt", "lorac.gemm_tn", "lorac.gemm_tt"):
                 tvm_ffi.register_global_func(name, lambda a, b, o: None, override=True)
-            r["no_gemm_ms"] = round(_timed(step, args) * 1e3, 3)
+            r["no_gemm_ms"] = round(time_step(step, args) * 1e3, 3)
             gemm._registered = False
             gemm.register()
             r["gemm_ms"] = round(r["step_ms"] - r["no_gemm_ms"], 3)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.modules["torch"] = None  # the runtime must not need torch
 sys.path.insert(0, str(Path(__file__).parent))
-from h200_check import make_inputs  # noqa: E402
+from h200_check import device_inputs, time_step  # noqa: E402
 
 from lorac.runtime.artifact import load_artifact  # noqa: E402
 
@@ -35,17 +35,9 @@ def _group(symbol: str) -> str:
 def profile(art: str, steps: int = 5) -> dict:
     device = json.loads((Path(art) / "manifest.json").read_text())["target"]["device"]
     step = load_artifact(art, device)
-    inputs = make_inputs(step.manifest, exact=False)
-    args = {s["name"]: step.upload(s, inputs[s["name"]]) for s in step.inputs}
+    _, args = device_inputs(step)
     dev = step._dev
-    for _ in range(2):
-        step(args, as_numpy=False)
-    dev.sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step(args, as_numpy=False)
-    dev.sync()
-    step_ms = (time.perf_counter() - t) / steps * 1e3
+    step_ms = time_step(step, args, n=steps, warm=2) * 1e3
     t = time.perf_counter()
     step(args, as_numpy=False)
     enqueue_ms = (time.perf_counter() - t) * 1e3

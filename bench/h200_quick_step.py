@@ -10,22 +10,17 @@ from pathlib import Path
 
 sys.modules["torch"] = None  # the runtime must not need torch
 sys.path.insert(0, str(Path(__file__).parent))
-from h200_check import make_inputs  # noqa: E402
+from h200_check import device_inputs, time_step  # noqa: E402
 
 from lorac.runtime.artifact import load_artifact  # noqa: E402
 
 art, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
 step = load_artifact(art, "cuda")
-inputs = make_inputs(step.manifest, exact=False)
-args = {s["name"]: step.upload(s, inputs[s["name"]]) for s in step.inputs}
+inputs, args = device_inputs(step)
 t = time.perf_counter()
 out = step(args)  # warm-up, also the numbers below
 warm = time.perf_counter() - t
-t = time.perf_counter()
-for _ in range(steps):
-    step(args, as_numpy=False)
-step._dev.sync()
-dt = (time.perf_counter() - t) / steps
+dt = time_step(step, args, n=steps, warm=0)
 tokens = int(inputs["input_ids"].size)
 used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                       capture_output=True, text=True, check=False).stdout.strip()

@@ -3,11 +3,12 @@ mamba_ssm kernels) + PEFT LoRA r=16 on in_proj, x_proj, dt_proj (PEFT refuses ou
 LoRA+ AdamW, bf16, random-init Mamba-130M shape. Usage: peer_mamba_gpu.py BxS [STEPS]."""
 import json
 import sys
-import time
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import MambaConfig, MambaForCausalLM
+
+from peer_gpu_common import loraplus_adamw, train_step_seconds
 
 B, S = map(int, sys.argv[1].split("x"))
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -16,24 +17,8 @@ cfg = MambaConfig(vocab_size=50280, hidden_size=768, state_size=16, expand=2, co
                   tie_word_embeddings=True)
 m = get_peft_model(MambaForCausalLM(cfg).to("cuda", torch.bfloat16),
                    LoraConfig(r=16, lora_alpha=32, target_modules=["in_proj", "x_proj", "dt_proj"]))
-a = [p for n, p in m.named_parameters() if p.requires_grad and "lora_A" in n]
-b = [p for n, p in m.named_parameters() if p.requires_grad and "lora_B" in n]
-opt = torch.optim.AdamW([{"params": a, "lr": 1e-4}, {"params": b, "lr": 16e-4}])
+opt = loraplus_adamw(m, 1e-4)
 ids = torch.randint(0, 50280, (B, S), device="cuda")
-
-
-def step():
-    m(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-step()
-torch.cuda.synchronize()
-t = time.perf_counter()
-for _ in range(steps):
-    step()
-torch.cuda.synchronize()
-dt = (time.perf_counter() - t) / steps
+dt = train_step_seconds(m, ids, opt, steps, warm=1)
 print(json.dumps(dict(peer="hf-mamba-torch-path+peft", B=B, S=S, step_s=round(dt, 3), tok_s=round(B * S / dt),
                       peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 1))), flush=True)

@@ -3,11 +3,12 @@ linear targets, LoRA+ AdamW (ratio 16), random-init SmolLM2-135M shape (no hub a
 Usage: peer_smollm2_gpu.py BxS [BxS ...]; prints one JSON line per (shape, eager|compile)."""
 import json
 import sys
-import time
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from peer_gpu_common import loraplus_adamw, train_step_seconds
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0)
@@ -20,26 +21,10 @@ def run(B, S, compiled, steps=10, warm=3):
     model = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to("cuda", torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    a = [p for n, p in model.named_parameters() if p.requires_grad and "lora_A" in n]
-    b = [p for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n]
-    opt = torch.optim.AdamW([{"params": a, "lr": 2e-4}, {"params": b, "lr": 16 * 2e-4}], fused=True)
+    opt = loraplus_adamw(model, 2e-4, fused=True)
     fwd = torch.compile(model) if compiled else model
     ids = torch.randint(0, SMOLLM2["vocab_size"], (B, S), device="cuda")
-
-    def step():
-        loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warm):
-        step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / steps
+    dt = train_step_seconds(fwd, ids, opt, steps, warm)
     print(json.dumps(dict(peer="torch+peft", mode="compile" if compiled else "eager", B=B, S=S,
                           step_ms=round(dt * 1e3, 2), tok_s=round(B * S / dt), peak_gb=round(
                               torch.cuda.max_memory_allocated() / 1e9, 2))), flush=True)
