@@ -1,0 +1,66 @@
+"""GEMM dispatch (compiler/gemm.py): transposes fold into the GEMM call and are never emitted
+when only matmuls read them; a transpose that something else reads, or that a matmul left
+to TVM reads, stays; the numbers equal numpy's."""
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+
+
+def _module():
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    f32, i32 = "float32", "int32"
+    x = relax.Var("x", relax.TensorType((4, 8), f32))
+    w = relax.Var("w", relax.TensorType((6, 8), f32))
+    v = relax.Var("v", relax.TensorType((8, 6), f32))
+    i = relax.Var("i", relax.TensorType((4, 8), i32))
+    j = relax.Var("j", relax.TensorType((6, 8), i32))
+    with bb.function("main", [x, w, v, i, j]):
+        with bb.dataflow():
+            wt = bb.emit(relax.op.permute_dims(w, [1, 0]))  # only matmuls read it: folded twice
+            y1 = bb.emit(relax.op.matmul(x, wt))
+            y2 = bb.emit(relax.op.matmul(relax.op.multiply(x, relax.const(2.0, f32)), wt))
+            vt = bb.emit(relax.op.permute_dims(v, [1, 0]))  # also read by an add: stays
+            y3 = bb.emit(relax.op.add(relax.op.matmul(vt, relax.op.permute_dims(x, [1, 0])),
+                                             relax.op.strided_slice(vt, [1], [0], [4])))
+            jt = bb.emit(relax.op.permute_dims(j, [1, 0]))  # an int matmul stays TVM's: jt stays
+            y4 = bb.emit(relax.op.matmul(i, jt))
+            out = bb.emit_output(relax.Tuple([y1, y2, y3, y4]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _count(mod, op_name):
+    from tvm import relax
+
+    n = []
+    relax.analysis.post_order_visit(
+        mod["main"], lambda e: n.append(1) if isinstance(e, relax.Call) and getattr(e.op, "name", "") == op_name
+        else None)
+    return len(n)
+
+
+def test_folded_transposes_are_not_emitted_and_numbers_match():
+    from tvm import relax
+
+    from lorac.compiler.gemm import dispatch_gemms
+    from lorac.runtime import gemm as runtime_gemm
+
+    mod, n, left = dispatch_gemms(_module())
+    assert n == 3 and len(left) == 1 and "int32" in left[0]
+    assert relax.analysis.check_well_formed(mod)
+    assert _count(mod, "relax.permute_dims") == 2  # vt and jt; wt and the inline x^T folded
+    assert _count(mod, "relax.matmul") == 1
+
+    runtime_gemm.register()
+    rng = np.random.default_rng(0)
+    x, w, v = (rng.standard_normal(s).astype("float32") for s in ((4, 8), (6, 8), (8, 6)))
+    i, j = (rng.integers(-3, 4, s).astype("int32") for s in ((4, 8), (6, 8)))
+    ex = tvm.compile(mod, tvm.target.Target({"kind": "llvm"}))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    got = [t.numpy() for t in vm["main"](*(tvm.runtime.tensor(a) for a in (x, w, v, i, j)))]
+    want = [x @ w.T, (2 * x) @ w.T, v.T @ x.T + v.T[:, :4], i @ j.T]
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
