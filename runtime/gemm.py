@@ -34,22 +34,46 @@ _blas_local = None  # openblas_set_num_threads_local, when numpy's BLAS is OpenB
 _tls = threading.local()
 
 
-def _find_openblas_local():
-    """OpenBLAS's per-thread thread-count setter from the library numpy already loaded."""
+def _openblas_libs():
+    """The OpenBLAS libraries this process has loaded (numpy's), as ctypes handles."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and ln.rstrip().endswith(".so")
-                     or "openblas" in ln.lower() and ".so" in ln.split()[-1]}
+            paths = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and ".so" in ln.split()[-1]}
     except OSError:
-        return None
+        return []
+    libs = []
     for path in sorted(paths):
         try:
-            fn = ctypes.CDLL(path).openblas_set_num_threads_local
-        except (OSError, AttributeError):
+            libs.append(ctypes.CDLL(path))
+        except OSError:
             continue
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        return fn
+    return libs
+
+
+def _find_openblas_local():
+    """OpenBLAS's per-thread thread-count setter from the library numpy already loaded."""
+    for lib in _openblas_libs():
+        fn = getattr(lib, "openblas_set_num_threads_local", None)
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            return fn
     return None
+
+
+def blas_info() -> str:
+    """Which BLAS the CPU GEMMs run on, e.g. "OpenBLAS 0.3.31 ... SkylakeX". OpenBLAS picks
+    its kernel family at load time from the CPU, unless OPENBLAS_CORETYPE names one: an
+    older family set there (Haswell on an AVX-512 CPU, say) halves GEMM speed."""
+    for lib in _openblas_libs():
+        config = getattr(lib, "openblas_get_config", None)
+        core = getattr(lib, "openblas_get_corename", None)
+        if config is None or core is None:
+            continue
+        config.restype = core.restype = ctypes.c_char_p
+        text = f"{config().decode(errors='replace').strip()} core={core().decode(errors='replace')}"
+        forced = os.environ.get("OPENBLAS_CORETYPE")
+        return text + (f" (OPENBLAS_CORETYPE={forced})" if forced else "")
+    return "not OpenBLAS (numpy's own BLAS build)"
 
 
 def _single_threaded_blas() -> None:
