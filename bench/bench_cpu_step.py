@@ -25,6 +25,7 @@ from h200_check import device_inputs  # noqa: E402 - the same deterministic inpu
 from lorac.compiler import compile_graph  # noqa: E402
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph  # noqa: E402
 from lorac.runtime.artifact import load_artifact  # noqa: E402
+from lorac.runtime.gemm import blas_info  # noqa: E402
 
 CASES = {
     "qwen3-40m": dict(arch="qwen3", vocab=32000, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64,
@@ -79,7 +80,7 @@ def main() -> None:
             "lorac_step_s_min": round(min(lorac_t), 3), "lorac_step_s_median": round(statistics.median(lorac_t), 3),
             "ort_step_s_min": round(min(ort_t), 3), "ort_step_s_median": round(statistics.median(ort_t), 3),
             "lorac_tok_s": round(tokens / min(lorac_t), 1), "ort_over_lorac": round(min(ort_t) / min(lorac_t), 2),
-            "max_rel_diff_vs_ort": err, "compile_s": round(compile_s, 2),
+            "max_rel_diff_vs_ort": err, "compile_s": round(compile_s, 2), "blas": blas_info(),
         }), flush=True)
         del step, sess
 

@@ -65,9 +65,13 @@ def blas_info() -> str:
     its kernel family at load time from the CPU, unless OPENBLAS_CORETYPE names one: an
     older family set there (Haswell on an AVX-512 CPU, say) halves GEMM speed."""
     for lib in _openblas_libs():
-        config = getattr(lib, "openblas_get_config", None)
-        core = getattr(lib, "openblas_get_corename", None)
-        if config is None or core is None:
+        # plain OpenBLAS names, then numpy's bundled scipy-openblas (prefixed, 64-bit ints)
+        for pre, post in (("", ""), ("scipy_", "64_"), ("scipy_", "")):
+            config = getattr(lib, f"{pre}openblas_get_config{post}", None)
+            core = getattr(lib, f"{pre}openblas_get_corename{post}", None)
+            if config is not None and core is not None:
+                break
+        else:
             continue
         config.restype = core.restype = ctypes.c_char_p
         text = f"{config().decode(errors='replace').strip()} core={core().decode(errors='replace')}"

@@ -120,6 +120,9 @@ class Run:
         self.optim_cfg = LoraPlusConfig(lr=cfg.lr, loraplus_ratio=cfg.loraplus_ratio, weight_decay=cfg.weight_decay,
                                         max_grad_norm=cfg.max_grad_norm, warmup_steps=cfg.warmup, total_steps=cfg.steps)
         from .engine import Engine
+        if cfg.target == "cpu" and not cfg.compile_only:
+            from .gemm import blas_info
+            self.log(f"cpu GEMMs: {blas_info()}")
         self.engine = Engine(self.spec, self.train_spec, weights, cfg.target, cfg.dtype, cfg.cache_dir,
                              self.optim_cfg, self.log)
         del weights  # the device holds them now

@@ -64,3 +64,24 @@ def test_folded_transposes_are_not_emitted_and_numbers_match():
     want = [x @ w.T, (2 * x) @ w.T, v.T @ x.T + v.T[:, :4], i @ j.T]
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_blas_info_names_the_kernel_family_openblas_runs():
+    """blas_info reports OpenBLAS's kernel family, and says when OPENBLAS_CORETYPE forced it
+    (a forced older family halves GEMM speed: docs/BENCHMARKS.md)."""
+    import os
+    import subprocess
+    import sys
+
+    from lorac.runtime.gemm import _openblas_libs, blas_info
+
+    if not _openblas_libs():
+        assert blas_info().startswith("not OpenBLAS")
+        pytest.skip("numpy here does not use OpenBLAS")
+    code = "from lorac.runtime.gemm import blas_info; print(blas_info())"
+    forced = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPENBLAS_CORETYPE": "Haswell"},
+                            capture_output=True, text=True, check=True).stdout
+    assert "core=Haswell" in forced and "(OPENBLAS_CORETYPE=Haswell)" in forced
+    free = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}
+    own = subprocess.run([sys.executable, "-c", code], env=free, capture_output=True, text=True, check=True).stdout
+    assert "core=" in own and "OPENBLAS_CORETYPE" not in own
