@@ -7,7 +7,11 @@ call the VM makes (a cuBLAS GEMM through lorac.gemm_*, a TVM kernel, a VM builti
 synchronizes the device and reads the clock. Each call's time then includes one launch and
 one synchronization (`sync_us`, measured on an empty stream, is printed for scale). Besides
 the grouped times it prints the plain step time (no hook) and how long the host takes to
-enqueue one step, which is the floor of a step that the GPU cannot hide.
+enqueue one step, which is the floor of a step that the GPU cannot hide, and the same
+hook without synchronizing (`host_groups`, `host_top`): what the host spends issuing each
+call, and `input_marshal_ms`, the runtime's per-step input checks. On CUDA, `gpu`: CUDA
+events around every call (no synchronization) give each call's GPU time; their sum is the
+GPU's busy time, and wall time beyond it is the GPU waiting for the host.
 """
 from __future__ import annotations
 
@@ -59,6 +63,37 @@ def profile(art: str, steps: int = 5) -> dict:
             per_symbol[symbol].append(now - clock["t"])
         return 0  # VMInstrumentReturnKind.kNoOp: run the call as usual
 
+    # host side alone: the same hook without synchronizing, so each call's time is what
+    # the host spends issuing it (argument unpacking, launch, Python GEMM callback)
+    host: dict[str, list[float]] = defaultdict(list)
+
+    def host_hook(func, symbol, before, ret, *a):
+        now = time.perf_counter()
+        if before:
+            clock["h"] = now
+        else:
+            host[symbol].append(now - clock["h"])
+        return 0
+
+    step._vm.set_instrument(host_hook)
+    step(args, as_numpy=False)
+    dev.sync()
+    host.clear()
+    step(args, as_numpy=False)
+    dev.sync()
+    host_groups: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
+    for sym, ts in host.items():
+        g = host_groups[_group(sym)]
+        g["ms"] += sum(ts) * 1e3
+        g["calls"] += len(ts)
+    host_top = sorted(host.items(), key=lambda kv: -sum(kv[1]))[:8]
+    t = time.perf_counter()
+    for _ in range(5):
+        [step._to_device(spec, args[spec["name"]]) for spec in step.inputs]
+    marshal_ms = (time.perf_counter() - t) / 5 * 1e3
+
+    gpu = _gpu_busy(step, args) if device == "cuda" else None
+
     step._vm.set_instrument(hook)
     step(args, as_numpy=False)  # warm the hook path
     per_symbol.clear()
@@ -78,7 +113,72 @@ def profile(art: str, steps: int = 5) -> dict:
         "sync_us": round(sync_us, 1), "hooked_step_ms": round(hooked_ms, 1),
         "groups": {k: {"ms": round(v["ms"], 2), "calls": v["calls"]} for k, v in groups.items()},
         "top": [{"symbol": s, "ms": round(sum(ts) * 1e3, 2), "calls": len(ts)} for s, ts in top],
+        "host_groups": {k: {"ms": round(v["ms"], 2), "calls": v["calls"]} for k, v in host_groups.items()},
+        "host_top": [{"symbol": s, "ms": round(sum(ts) * 1e3, 2), "calls": len(ts)} for s, ts in host_top],
+        "input_marshal_ms": round(marshal_ms, 2),
+        "gpu": gpu,
     }
+
+
+def _gpu_busy(step, args) -> dict:
+    """GPU time of each VM call from CUDA events recorded around it on TVM's stream (no
+    synchronization inside the step, so the step runs as it does untimed): the sum is the
+    GPU's busy time, the rest of the step's wall time is the GPU waiting for the host."""
+    import ctypes
+
+    import tvm_ffi
+
+    from lorac.runtime.gemm_cuda import load_library
+
+    rt = load_library("libcudart")
+    get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
+    get_stream.restype, get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
+    rt.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    rt.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+    events: list = []
+    marks: list = []  # (symbol, start event index, end event index)
+    state = {"i": 0, "open": None}
+
+    def event():
+        if state["i"] == len(events):
+            e = ctypes.c_void_p()
+            rt.cudaEventCreate(ctypes.byref(e))
+            events.append(e)
+        e = events[state["i"]]
+        state["i"] += 1
+        rt.cudaEventRecord(e, get_stream(2, 0))
+        return state["i"] - 1
+
+    def hook(func, symbol, before, ret, *a):
+        if before:
+            state["open"] = event()
+        else:
+            marks.append((symbol, state["open"], event()))
+        return 0
+
+    step._vm.set_instrument(hook)
+    for _ in range(2):  # the first pass creates the events
+        state["i"] = 0
+        marks.clear()
+        step._dev.sync()
+        t = time.perf_counter()
+        step(args, as_numpy=False)
+        step._dev.sync()
+        wall_ms = (time.perf_counter() - t) * 1e3
+    ms = ctypes.c_float()
+    per: dict[str, list[float]] = defaultdict(list)
+    for sym, a, b in marks:
+        rt.cudaEventElapsedTime(ctypes.byref(ms), events[a], events[b])
+        per[sym].append(ms.value)
+    first, last = marks[0][1], marks[-1][2]
+    rt.cudaEventElapsedTime(ctypes.byref(ms), events[first], events[last])
+    groups: dict[str, float] = defaultdict(float)
+    for sym, ts in per.items():
+        groups[_group(sym)] += sum(ts)
+    top = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:10]
+    return {"wall_ms_with_events": round(wall_ms, 2), "first_to_last_event_ms": round(ms.value, 2),
+            "busy_ms": round(sum(groups.values()), 2), "groups_ms": {k: round(v, 2) for k, v in groups.items()},
+            "top": [{"symbol": s, "ms": round(sum(ts), 2), "calls": len(ts)} for s, ts in top]}
 
 
 if __name__ == "__main__":

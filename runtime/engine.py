@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +77,10 @@ class Engine:
         self.names = lora_tensor_names(spec, train)
         self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
         self.optim_cfg = optim_cfg
-        self.graph_hash = graph_key("train", spec, train)
+        # what a checkpoint must match: the scan chunk length changes how the Mamba scan is
+        # computed, not what, so a run may resume on a device whose default length differs
+        same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"})
+        self.graph_hash = graph_key("train", spec, same_math)
         self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
         self._weights = None
         self._arts: dict = {}

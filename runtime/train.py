@@ -45,6 +45,7 @@ class TrainConfig:
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
     checkpointing: bool = False
     loss_chunk: int = 0
+    scan_chunk: int = 0  # Mamba only; 0: the device's default (graphs/mamba.py DEVICE_CHUNK)
     eval_every: int = 10
     eval_batches: int = 4
     save_every: int = 20
@@ -69,6 +70,8 @@ class TrainConfig:
                 raise LoracError(f"--{key.replace('_', '-')} must be a finite number, got {v!r}")
         if self.lr <= 0 or self.alpha <= 0 or self.loraplus_ratio <= 0:
             raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
+        if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
+            raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
 
@@ -108,9 +111,16 @@ class Run:
         self.log(f"model: {self.source.describe()}")
         self.model_config, weights, self.tokenizer = self.source.load()
         self.spec = ModelSpec.from_hf_config(self.model_config)
+        extra = {}
+        if self.spec.arch == "mamba":
+            from lorac.graphs.mamba import DEVICE_CHUNK
+            extra["scan_chunk"] = cfg.scan_chunk or DEVICE_CHUNK[cfg.target]
+            self.log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
+        elif cfg.scan_chunk:
+            raise LoracError(f"--scan-chunk is for Mamba models; {self.spec.arch} has no scan")
         self.train_spec = TrainSpec(batch=cfg.batch, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk)
+                                    checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk, extra=extra)
         self.train_spec.validate(self.spec)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,

@@ -120,6 +120,8 @@ def test_ctrl_c_saves_and_resume_equals_uninterrupted_run(workdir, trained):
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--targets", "q_proj,fc9"], "fc9 not in a qwen3 model; valid targets"),
     (["--seq", "1"], "seq must be >= 2"),
+    (["--scan-chunk", "-1"], "--scan-chunk must be an integer >= 0"),
+    (["--scan-chunk", "2"], "--scan-chunk is for Mamba models"),
 ])
 def test_bad_flags_give_one_line(workdir, extra, match):
     r = _run(_train_args(workdir, workdir / "bad", 3, *extra))
