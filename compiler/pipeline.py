@@ -111,6 +111,14 @@ def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
     return inputs, [entry(n, t) for n, t in zip(names, rets)]
 
 
+def bind_all_inputs(mod):
+    """Mark every parameter of `main` static for RewriteCUDAGraph (Relax attribute num_input
+    = 0: no parameter changes between calls), so CUDA graphs may capture work that reads
+    them; the runtime then keeps the inputs at fixed addresses (target_cuda.binds_inputs)."""
+    mod["main"] = mod["main"].with_attr("num_input", 0)
+    return mod
+
+
 def build_passes(passes: list, plan: dict | None = None) -> list:
     """A target's Relax `passes` as lorac builds with them: CachedLegalize before
     LegalizeOps (legalize_cache.py), and, given a `plan` dict, a read-only pass after
@@ -190,6 +198,9 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
         gemm = {"dispatched": n, "left_to_tvm": left}
     inputs, outputs = _signature(proto, mod["main"])
+    bound = bool(getattr(tmod, "binds_inputs", lambda _r: False)(request))
+    if bound:
+        mod = bind_all_inputs(mod)
     t_import = time.perf_counter() - t0
 
     tvm_target = tmod.tvm_target(request)
@@ -228,7 +239,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         "target": {"family": family, "request": request, "device": tmod.DEVICE,
                    "tvm": _target_json(tvm_target)},
         "library": files.pop("library"),
-        "inputs": inputs, "outputs": outputs, "gemm": gemm,
+        "inputs": inputs, "outputs": outputs, "gemm": gemm, "bound_inputs": bound,
         "memory": plan,
         "extra": files,
         "compile_seconds": {"import": round(t_import, 3), "build": round(t_build, 3),

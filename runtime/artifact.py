@@ -57,6 +57,12 @@ class Step:
         # TVM's embedding gather reads out of bounds (and may segfault) on a bad id, so
         # ids and labels are range-checked here, where it is cheap
         self._vocab = next((i["shape"][0] for i in self.inputs if i["name"].endswith("embed_tokens.weight")), None)
+        # CUDA-graph builds replay the input addresses they captured on the first call
+        # (compiler/target_cuda.binds_inputs): such a step owns one device buffer per input
+        # and copies each call's values in, unless the value already is that buffer (what
+        # `upload` returns, so weights uploaded once are never copied again)
+        self.bound_inputs = bool(manifest.get("bound_inputs", False))
+        self._buffers: dict = {}
 
     def _check(self, inputs: dict) -> None:
         missing = [n for n in (i["name"] for i in self.inputs) if n not in inputs]
@@ -68,6 +74,26 @@ class Step:
             raise LoracError(f"unknown input(s) for this artifact: {', '.join(unknown[:3])}")
 
     def _to_device(self, spec: dict, value):
+        t = self._checked(spec, value)
+        if not self.bound_inputs:
+            return self._new_tensor(t) if isinstance(t, np.ndarray) else t
+        buf = self._buffers.get(spec["name"])
+        if buf is None:
+            import tvm
+            buf = self._buffers[spec["name"]] = tvm.runtime.empty(tuple(spec["shape"]), spec["dtype"], self._dev)
+        if isinstance(t, np.ndarray):
+            buf.copyfrom(t)
+        elif not _same_memory(t, buf):
+            t.copyto(buf)
+        return buf
+
+    def _new_tensor(self, arr: np.ndarray):
+        import tvm
+        return tvm.runtime.tensor(arr, self._dev)
+
+    def _checked(self, spec: dict, value):
+        """`value` checked against input `spec`: a C-contiguous numpy array of its dtype, or a
+        device tensor of its shape and dtype on the step's device."""
         import tvm
 
         want_shape, want_dtype = tuple(spec["shape"]), spec["dtype"]
@@ -86,7 +112,7 @@ class Step:
                     raise LoracError(f"input {spec['name']}: dtype {arr.dtype}, artifact expects {want_dtype}")
                 arr = arr.astype(_np_dtype(want_dtype))
             # np.ascontiguousarray would turn a 0-d scalar into shape [1]
-            return tvm.runtime.tensor(np.require(arr, requirements="C"), self._dev)
+            return np.require(arr, requirements="C")
         # a device tensor (TVM, or anything speaking DLPack): zero copy, checked as is
         t = value if hasattr(value, "device") and hasattr(value, "shape") and type(value).__module__.startswith("tvm") \
             else tvm.runtime.from_dlpack(value)
@@ -99,7 +125,9 @@ class Step:
 
     def upload(self, spec: dict, value):
         """A device tensor for input `spec` (a manifest entry), converted to its dtype; the
-        training loop uploads frozen weights once and passes the result to every call."""
+        training loop uploads frozen weights once and passes the result to every call. For a
+        step with bound inputs it is the step's own buffer for that input: pass it to this
+        step only (another upload for the same input overwrites it)."""
         return self._to_device(spec, value)
 
     def __call__(self, inputs: dict, as_numpy: bool = True) -> dict:
@@ -110,6 +138,10 @@ class Step:
         if as_numpy:
             res = [r.numpy() for r in res]
         return {o["name"]: r for o, r in zip(self.outputs, res)}
+
+
+def _same_memory(a, b) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.device.dlpack_device_type() == b.device.dlpack_device_type()
 
 
 def load_artifact(art_dir, device: str = "cpu") -> Step:

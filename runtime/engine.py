@@ -48,9 +48,10 @@ def graph_key(kind: str, *parts) -> str:
     return h.hexdigest()
 
 
-def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None):
-    """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss."""
-    art = Path(cache_dir) / f"{kind}-{target}-{dtype}-{key[:16]}"
+def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None, cuda_graph: bool = False):
+    """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss.
+    cuda_graph: build with CUDA graphs (inputs bound: compiler/target_cuda.binds_inputs)."""
+    art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}-{key[:16]}"
     if (art / "manifest.json").is_file():
         return art
     from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
@@ -58,7 +59,7 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
     model = build()
     if log:
         log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes) ...")
-    compile_graph(model, target=target, out_dir=art, dtype=dtype)
+    compile_graph(model, target={"kind": target, "cuda_graph": True} if cuda_graph else target, out_dir=art, dtype=dtype)
     if log:
         log(f"compiled the {kind} graph in {time.perf_counter() - t0:.1f} s -> {art}")
     return art
@@ -66,7 +67,7 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
 
 class Engine:
     def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
-                 cache_dir=".lorac-cache", optim_cfg=None, log=None):
+                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True):
         from lorac.graphs import lora_tensor_names
         if target not in DEVICE_OF:
             raise LoracError(f"lorac runs on cpu or cuda; compile other targets with `lorac compile` (got {target!r})")
@@ -77,6 +78,9 @@ class Engine:
         self.names = lora_tensor_names(spec, train)
         self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
         self.optim_cfg = optim_cfg
+        # on CUDA the training step runs as a few CUDA graphs (the host issued ~15,000 calls a
+        # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
+        self.cuda_graph = cuda_graph and target == "cuda"
         # what a checkpoint must match: the scan chunk length changes how the Mamba scan is
         # computed, not what, so a run may resume on a device whose default length differs
         same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"})
@@ -107,15 +111,20 @@ class Engine:
         """The artifact directory of graph `kind`, compiled into the cache if missing (no device needed)."""
         build, parts, dtype = self._recipe(kind)
         name = kind.split(":")[0]
-        return compiled(build, graph_key(name, *parts), name, self.target, dtype, self.cache_dir, self.log)
+        return compiled(build, graph_key(name, *parts), name, self.target, dtype, self.cache_dir, self.log,
+                        cuda_graph=self.cuda_graph and name == "train")
 
     def _artifact(self, kind: str):
         """The loaded artifact of graph `kind`, compiled on first use."""
         if kind not in self._arts:
-            self._arts[kind] = load_artifact(self.compile(kind), self.device)
-            if self._weights is None and kind != "adamw":
-                self._weights = self._upload(self._arts[kind], self._host_weights)
+            step = self._arts[kind] = load_artifact(self.compile(kind), self.device)
+            if kind != "adamw" and self._weights is None:
+                self._weights = self._upload(step, self._host_weights)
                 self._host_weights = None  # the device holds them now
+            elif kind != "adamw" and step.bound_inputs:
+                # its CUDA graphs read its own input buffers: move the weights there once; the
+                # other artifacts take any device tensor, so all share that one copy
+                self._weights = self._upload(step, self._weights)
         return self._arts[kind]
 
     # -- device residency ---------------------------------------------------------------

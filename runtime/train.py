@@ -57,6 +57,7 @@ class TrainConfig:
     sample_prompt: str | None = None  # generated before/after training; None: one from the eval data
     sample_tokens: int = 32
     compile_only: bool = False  # fill the artifact cache for --target and stop (no device needed)
+    no_cuda_graph: bool = False  # cuda: run the training step as plain VM calls, not CUDA graphs
     extra: dict = field(default_factory=dict)
 
     def validate(self):
@@ -134,7 +135,7 @@ class Run:
             from .gemm import blas_info
             self.log(f"cpu GEMMs: {blas_info()}")
         self.engine = Engine(self.spec, self.train_spec, weights, cfg.target, cfg.dtype, cfg.cache_dir,
-                             self.optim_cfg, self.log)
+                             self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph)
         del weights  # the device holds them now
         self.model_hash = _model_hash(self.model_config)
 

@@ -47,6 +47,29 @@ def test_matches_onnxruntime(graph, art):
         assert out["loss"].shape == () and all(np.abs(v).max() > 0 for v in out.values())
 
 
+def test_bound_inputs_are_copied_into_the_steps_own_buffers(graph, art):
+    """What a CUDA-graph step does with its inputs (artifact.Step.bound_inputs), exercised on a
+    CPU artifact: one buffer per input, each call's values copied in, except a value that is
+    that buffer (what upload returns); results equal the unbound step's on every call."""
+    _, model = graph
+    plain, bound = load_artifact(art, device="cpu"), load_artifact(art, device="cpu")
+    bound.bound_inputs = True
+    assert plain.manifest["bound_inputs"] is False
+    frozen = [s for s in bound.inputs if s["name"] not in ("input_ids", "labels") and ".lora_" not in s["name"]]
+    weights = {s["name"]: random_inputs(model, 2)[s["name"]] for s in frozen}
+    # weights uploaded once and passed back as they are, like the engine's
+    uploads = {s["name"]: bound.upload(s, weights[s["name"]]) for s in frozen}
+    assert all(bound._to_device(s, uploads[s["name"]]) is uploads[s["name"]] for s in frozen)
+    for seed in (2, 3, 4):  # ids, labels and LoRA tensors change each call
+        inputs = {**random_inputs(model, seed), **weights}
+        got, want = bound({**inputs, **uploads}), plain(inputs)
+        assert_outputs_close(got, want, 1e-6)
+    buf = bound._buffers["input_ids"]
+    dev_ids = plain.upload(next(s for s in plain.inputs if s["name"] == "input_ids"), inputs["input_ids"] * 0)
+    assert bound._to_device(next(s for s in bound.inputs if s["name"] == "input_ids"), dev_ids) is buf
+    assert (buf.numpy() == 0).all()  # a foreign device tensor is copied into the step's buffer
+
+
 def test_manifest(graph, art):
     path, model = graph
     m = json.loads((art / "manifest.json").read_text())

@@ -15,13 +15,14 @@ SMALL_MAMBA = dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size
                    conv_kernel=4, tie_word_embeddings=True)
 
 
-def _cuda_plan(model, dtype: str) -> dict:
+def _cuda_plan(model, dtype: str, cuda_graph: bool = False) -> dict:
     """Run compile_graph's CUDA Relax passes (import, bf16, GEMM dispatch, legalize, DLight,
-    memory plan) without codegen; -> the recorded plan. Raises if a kernel is left unscheduled."""
+    memory plan, CUDA graphs if asked) without codegen; -> the recorded plan. Raises if a
+    kernel is left unscheduled."""
     from lorac.compiler.gemm import dispatch_gemms
-    from lorac.compiler.pipeline import build_passes
+    from lorac.compiler.pipeline import bind_all_inputs, build_passes
     from lorac.compiler.precision import frozen_weights_to_bf16
-    from lorac.compiler.target_cuda import relax_passes, tvm_target
+    from lorac.compiler.target_cuda import pass_config, relax_passes, tvm_target
     from tvm.relax.frontend.onnx import from_onnx
 
     with warnings.catch_warnings():
@@ -30,9 +31,12 @@ def _cuda_plan(model, dtype: str) -> dict:
     if dtype == "bfloat16":
         mod = frozen_weights_to_bf16(mod)
     mod, _, _ = dispatch_gemms(mod, dtype)
+    request = {"kind": "cuda", "cuda_graph": cuda_graph}
+    if cuda_graph:
+        mod = bind_all_inputs(mod)
     plan: dict = {}
-    target = tvm_target({"kind": "cuda"})
-    with target, tvm.transform.PassContext(opt_level=3):
+    target = tvm_target(request)
+    with target, tvm.transform.PassContext(opt_level=3, config=pass_config(request)):
         mod = tvm.transform.Sequential(build_passes(relax_passes(target), plan))(mod)
     unscheduled = [gv.name_hint for gv, f in mod.functions_items()
                    if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)]
@@ -97,3 +101,42 @@ def test_row_max_gets_threads_short_sums_do_not():
     group_sums = [n for n, text in funcs.items() if "stack" in n and "sum" in n]
     assert group_sums and not any('T.thread_binding(T.int64(256), thread="threadIdx.x")' in funcs[n]
                                   for n in group_sums)
+
+
+def _calls(func) -> dict:
+    """Counts of what a Relax function calls: GEMMs (lorac.gemm_*), kernels (PrimFuncs), graph launches."""
+    from tvm import relax
+
+    n = {"gemm": 0, "kernel": 0, "graph": 0}
+
+    def visit(e):
+        if not isinstance(e, relax.Call):
+            return
+        if isinstance(e.op, relax.ExternFunc) and e.op.global_symbol.startswith("lorac.gemm"):
+            n["gemm"] += 1
+        elif isinstance(e.op, relax.GlobalVar):
+            n["kernel"] += 1
+        elif isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_builtin_with_ctx" \
+                and "cuda_graph.run_or_capture" in str(e.args[0]):
+            n["graph"] += 1
+
+    relax.analysis.post_order_visit(func, visit)
+    return n
+
+
+def test_cuda_graphs_capture_the_step_once_inputs_are_bound():
+    """With every input bound, the step is a few CUDA graphs: what the VM still issues itself
+    is the graph launches and the GEMMs that write the step's gradient outputs (TVM keeps
+    output buffers out of graphs), not the ~60 calls a layer it issued before."""
+    from lorac.graphs import lora_tensor_names
+
+    model = _decoder(False)
+    mod = _cuda_plan(model, "bfloat16", cuda_graph=True)["_mod"]
+    main = _calls(mod["main"])
+    captured = [_calls(f) for gv, f in mod.functions_items() if gv.name_hint.startswith("main_cuda_graph_capture")]
+    spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 4})
+    n_grads = len(lora_tensor_names(spec, TrainSpec(batch=2, seq=64, rank=4, lora_targets=tuple(ALL_TARGETS))))
+    assert 1 <= main["graph"] <= 4 and len(captured) == main["graph"]
+    assert main["gemm"] <= n_grads and main["kernel"] <= 4
+    assert sum(c["gemm"] for c in captured) > 3 * main["gemm"]
+    assert sum(c["kernel"] for c in captured) > 50
