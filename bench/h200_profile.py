@@ -51,73 +51,60 @@ def profile(art: str, steps: int = 5) -> dict:
         dev.sync()
     sync_us = (time.perf_counter() - t) / 100 * 1e6
 
-    per_symbol: dict[str, list[float]] = defaultdict(list)
-    clock = {}
+    def timed_call(sync: bool) -> tuple[dict[str, list[float]], float]:
+        """Run one step under a VM hook that times every call, synchronizing around each
+        (device time included) or not (what the host spends issuing it): (symbol -> seconds
+        of each call, ms of the whole hooked step)."""
+        times: dict[str, list[float]] = defaultdict(list)
+        clock = {}
 
-    def hook(func, symbol, before, ret, *a):
+        def hook(func, symbol, before, ret, *a):
+            if sync:
+                dev.sync()
+            now = time.perf_counter()
+            if before:
+                clock["t"] = now
+            else:
+                times[symbol].append(now - clock["t"])
+            return 0  # VMInstrumentReturnKind.kNoOp: run the call as usual
+
+        step._vm.set_instrument(hook)
+        step(args, as_numpy=False)  # warm the hook path
         dev.sync()
-        now = time.perf_counter()
-        if before:
-            clock["t"] = now
-        else:
-            per_symbol[symbol].append(now - clock["t"])
-        return 0  # VMInstrumentReturnKind.kNoOp: run the call as usual
+        times.clear()
+        t0 = time.perf_counter()
+        step(args, as_numpy=False)
+        dev.sync()
+        return times, (time.perf_counter() - t0) * 1e3
 
-    # host side alone: the same hook without synchronizing, so each call's time is what
-    # the host spends issuing it (argument unpacking, launch, Python GEMM callback)
-    host: dict[str, list[float]] = defaultdict(list)
-
-    def host_hook(func, symbol, before, ret, *a):
-        now = time.perf_counter()
-        if before:
-            clock["h"] = now
-        else:
-            host[symbol].append(now - clock["h"])
-        return 0
-
-    step._vm.set_instrument(host_hook)
-    step(args, as_numpy=False)
-    dev.sync()
-    host.clear()
-    step(args, as_numpy=False)
-    dev.sync()
-    host_groups: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
-    for sym, ts in host.items():
-        g = host_groups[_group(sym)]
-        g["ms"] += sum(ts) * 1e3
-        g["calls"] += len(ts)
-    host_top = sorted(host.items(), key=lambda kv: -sum(kv[1]))[:8]
+    host, _ = timed_call(sync=False)
     t = time.perf_counter()
     for _ in range(5):
         [step._to_device(spec, args[spec["name"]]) for spec in step.inputs]
     marshal_ms = (time.perf_counter() - t) / 5 * 1e3
-
     gpu = _gpu_busy(step, args) if device == "cuda" else None
-
-    step._vm.set_instrument(hook)
-    step(args, as_numpy=False)  # warm the hook path
-    per_symbol.clear()
-    t = time.perf_counter()
-    step(args, as_numpy=False)
-    dev.sync()
-    hooked_ms = (time.perf_counter() - t) * 1e3
-
-    groups: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
-    for sym, ts in per_symbol.items():
-        g = groups[_group(sym)]
-        g["ms"] += sum(ts) * 1e3
-        g["calls"] += len(ts)
-    top = sorted(per_symbol.items(), key=lambda kv: -sum(kv[1]))[:12]
+    per_symbol, hooked_ms = timed_call(sync=True)
+    groups, top = _summary(per_symbol, 12)
+    host_groups, host_top = _summary(host, 8)
     return {
         "artifact": Path(art).name, "step_ms": round(step_ms, 2), "enqueue_ms": round(enqueue_ms, 2),
         "sync_us": round(sync_us, 1), "hooked_step_ms": round(hooked_ms, 1),
-        "groups": {k: {"ms": round(v["ms"], 2), "calls": v["calls"]} for k, v in groups.items()},
-        "top": [{"symbol": s, "ms": round(sum(ts) * 1e3, 2), "calls": len(ts)} for s, ts in top],
-        "host_groups": {k: {"ms": round(v["ms"], 2), "calls": v["calls"]} for k, v in host_groups.items()},
-        "host_top": [{"symbol": s, "ms": round(sum(ts) * 1e3, 2), "calls": len(ts)} for s, ts in host_top],
+        "groups": groups, "top": top, "host_groups": host_groups, "host_top": host_top,
         "input_marshal_ms": round(marshal_ms, 2),
         "gpu": gpu,
     }
+
+
+def _summary(times: dict[str, list[float]], n: int) -> tuple[dict, list]:
+    """(per group: ms and calls, the n symbols of most time) of a timed step."""
+    groups: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
+    for sym, ts in times.items():
+        g = groups[_group(sym)]
+        g["ms"] += sum(ts) * 1e3
+        g["calls"] += len(ts)
+    top = sorted(times.items(), key=lambda kv: -sum(kv[1]))[:n]
+    return ({k: {"ms": round(v["ms"], 2), "calls": v["calls"]} for k, v in groups.items()},
+            [{"symbol": s, "ms": round(sum(ts) * 1e3, 2), "calls": len(ts)} for s, ts in top])
 
 
 def _gpu_busy(step, args) -> dict:

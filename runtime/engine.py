@@ -45,6 +45,9 @@ def graph_key(kind: str, *parts) -> str:
     h = hashlib.sha256(_graphs_digest() + kind.encode())
     for p in parts:
         h.update(repr(p).encode())
+        extra = getattr(p, "extra", None)
+        if extra:  # TrainSpec leaves `extra` (the Mamba scan chunk, say) out of its repr
+            h.update(repr(sorted(extra.items())).encode())
     return h.hexdigest()
 
 

@@ -59,3 +59,17 @@ def test_bound_training_artifact_matches_the_plain_engine(tmp_path, monkeypatch)
     assert len(set(np.round(plain[1], 6))) == 3  # each step's loss differs: updates and batches took
     assert abs(bound[2] - plain[2]) <= 1e-6 * abs(plain[2])
     np.testing.assert_allclose(bound[3], plain[3], rtol=1e-5, atol=1e-6)
+
+
+def test_graph_key_tells_scan_chunks_apart():
+    """TrainSpec.extra is out of TrainSpec's repr; the cache key must still see it (two scan
+    chunk lengths once shared one cached Mamba artifact)."""
+    from lorac.graphs import ModelSpec, TrainSpec
+    from lorac.runtime.engine import graph_key
+
+    spec = ModelSpec.from_hf_config(dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=4,
+                                         num_hidden_layers=2, expand=2, conv_kernel=4))
+    t = lambda **extra: TrainSpec(batch=2, seq=16, lora_targets=("in_proj",), extra=extra)
+    keys = {graph_key("train", spec, t(scan_chunk=L)) for L in (2, 4)} | {graph_key("train", spec, t())}
+    assert len(keys) == 3
+    assert graph_key("train", spec, t(scan_chunk=2)) == graph_key("train", spec, t(scan_chunk=2))
