@@ -32,8 +32,8 @@ from .spec import TrainSpec
 
 DEFAULT_CHUNK = 4  # scan FLOPs and transient memory grow with L; fastest compiled CPU point (docs/MAMBA.md)
 # what the runtime picks per device when the user names no length: on the CPU, after the
-# prefix-sum and carry changes, L = 2 is ~15 % faster than 4 (24-layer 130M step at 4x256:
-# 36.6 s against 43.1 s); the H200 numbers were measured at L = 4 (docs/MAMBA.md)
+# prefix-sum and carry changes, L = 2 is faster than 4 (24-layer 130M step at 4x256: 15.4 s
+# against 20.4 s); the H200 numbers were measured at L = 4 (docs/MAMBA.md)
 DEVICE_CHUNK = {"cpu": 2, "cuda": 4}
 _DEPTH = {"out_proj": 0, "dt_proj": 1, "x_proj": 2, "in_proj": 3}  # how far down a backward must reach
 
