@@ -63,6 +63,7 @@ class Step:
         # `upload` returns, so weights uploaded once are never copied again)
         self.bound_inputs = bool(manifest.get("bound_inputs", False))
         self._buffers: dict = {}
+        self._captured = False
 
     def _check(self, inputs: dict) -> None:
         missing = [n for n in (i["name"] for i in self.inputs) if n not in inputs]
@@ -133,7 +134,16 @@ class Step:
     def __call__(self, inputs: dict, as_numpy: bool = True) -> dict:
         self._check(inputs)
         args = [self._to_device(spec, inputs[spec["name"]]) for spec in self.inputs]
-        res = self._vm["main"](*args)
+        if self.bound_inputs and not self._captured:
+            try:  # the first call of a CUDA-graph build captures its graphs
+                res = self._vm["main"](*args)
+            except Exception as e:  # TVM raises its own error types
+                raise LoracError(f"the first call of this CUDA-graph artifact (which captures its graphs) failed: "
+                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}; "
+                                 "`lorac train --no-cuda-graph` runs the step without graphs") from None
+            self._captured = True
+        else:
+            res = self._vm["main"](*args)
         res = list(res) if len(self.outputs) > 1 else [res]
         if as_numpy:
             res = [r.numpy() for r in res]

@@ -69,6 +69,17 @@ def test_bound_inputs_are_copied_into_the_steps_own_buffers(graph, art):
     assert bound._to_device(next(s for s in bound.inputs if s["name"] == "input_ids"), dev_ids) is buf
     assert (buf.numpy() == 0).all()  # a foreign device tensor is copied into the step's buffer
 
+    class FailingVM:  # a capture that fails (driver, memory) is one error naming the way out
+        def __getitem__(self, name):
+            def main(*args):
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return main
+
+    fresh = load_artifact(art, device="cpu")
+    fresh.bound_inputs, fresh._vm = True, FailingVM()
+    with pytest.raises(LoracError, match="not permitted when stream is capturing.*--no-cuda-graph"):
+        fresh(random_inputs(model, 2))
+
 
 def test_manifest(graph, art):
     path, model = graph
