@@ -22,6 +22,7 @@ the same graph for the same target and dtype is a cache hit (no work).
 examples:
   lorac compile train.onnx --target cpu --out art/cpu
   lorac compile train.onnx --target cuda --dtype bfloat16 --out art/cuda-bf16
+  lorac compile train.onnx --target cuda --dtype bfloat16 --cuda-graph --out art/cuda-graph
 """
 
 
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedules); a tuned kernel is kept only where faster than its default; "
                         "the database, DIR/../.lorac-tuning/cpu-tuning.json, is reused by later "
                         "compiles")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="cuda only: run the step as CUDA graphs captured on the first call (the "
+                        "artifact's inputs are then copied into buffers of its own each call; "
+                        "docs/COMPILER.md)")
     p.add_argument("--force", action="store_true", help="rebuild even when the artifact is up to date")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     return p
@@ -50,8 +55,12 @@ def compile_command(argv: list[str]) -> int:
     from lorac.runtime.errors import LoracError
 
     from .pipeline import compile_graph
+    if args.cuda_graph and args.target != "cuda":
+        print(f"lorac compile: error: --cuda-graph is for --target cuda, not {args.target}", file=sys.stderr)
+        return 2
+    target = {"kind": "cuda", "cuda_graph": True} if args.cuda_graph else args.target
     try:
-        out = compile_graph(args.graph, target=args.target, out_dir=args.out, dtype=args.dtype,
+        out = compile_graph(args.graph, target=target, out_dir=args.out, dtype=args.dtype,
                             tune=args.tune, force=args.force, verbose=not args.quiet)
     except LoracError as e:
         print(f"lorac compile: error: {e}", file=sys.stderr)

@@ -185,3 +185,5 @@ def test_cli(graph, art, tmp_path, capsys):
     assert compile_command([str(path), "--target", "cpu", "--out", str(art), "-q"]) == 0  # cache hit
     assert compile_command([str(tmp_path / "nope.onnx"), "--target", "cpu", "--out", str(tmp_path / "d")]) == 2
     assert "ONNX graph not found" in capsys.readouterr().err
+    assert compile_command([str(path), "--target", "cpu", "--cuda-graph", "--out", str(tmp_path / "g")]) == 2
+    assert "--cuda-graph is for --target cuda" in capsys.readouterr().err

@@ -51,6 +51,22 @@ def test_cuda_bf16_manifest_types(graph, tmp_path):
     assert all(o["dtype"] == "float32" for o in m["outputs"])
 
 
+def test_cuda_graph_build_binds_its_inputs(graph, tmp_path):
+    """`lorac compile --cuda-graph` builds with every input bound (manifest bound_inputs); a
+    plain build does not. The graphs themselves run on the GPU machine (docs/H200-RUNS.md)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    import onnx
+
+    from lorac.compiler.cli import compile_command
+    path, out = tmp_path / "train.onnx", tmp_path / "graph"
+    onnx.save(graph, str(path))
+    assert compile_command([str(path), "--target", "cuda", "--dtype", "bfloat16", "--cuda-graph", "--out", str(out), "-q"]) == 0
+    m = _manifest(out)
+    assert m["bound_inputs"] is True and m["target"]["request"] == {"kind": "cuda", "cuda_graph": True}
+    assert _manifest(compile_graph(graph, target="cuda", out_dir=tmp_path / "plain"))["bound_inputs"] is False
+
+
 def test_opencl(graph, tmp_path):
     d = compile_graph(graph, target="opencl", out_dir=tmp_path / "ocl")
     m = _manifest(d)
