@@ -134,16 +134,16 @@ class Step:
     def __call__(self, inputs: dict, as_numpy: bool = True) -> dict:
         self._check(inputs)
         args = [self._to_device(spec, inputs[spec["name"]]) for spec in self.inputs]
-        if self.bound_inputs and not self._captured:
-            try:  # the first call of a CUDA-graph build captures its graphs
-                res = self._vm["main"](*args)
-            except Exception as e:  # TVM raises its own error types
-                raise LoracError(f"the first call of this CUDA-graph artifact (which captures its graphs) failed: "
-                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}; "
-                                 "`lorac train --no-cuda-graph` runs the step without graphs") from None
-            self._captured = True
-        else:
+        try:
             res = self._vm["main"](*args)
+        except Exception as e:  # TVM raises its own error types
+            if not self.bound_inputs or self._captured:
+                raise
+            # the first call of a CUDA-graph build is the one that captures its graphs
+            raise LoracError(f"the first call of this CUDA-graph artifact (which captures its graphs) failed: "
+                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}; "
+                             "`lorac train --no-cuda-graph` runs the step without graphs") from None
+        self._captured = True
         res = list(res) if len(self.outputs) > 1 else [res]
         if as_numpy:
             res = [r.numpy() for r in res]
