@@ -114,8 +114,8 @@ class Run:
         self.spec = ModelSpec.from_hf_config(self.model_config)
         extra = {}
         if self.spec.arch == "mamba":
-            from lorac.graphs.mamba import DEVICE_CHUNK
-            extra["scan_chunk"] = cfg.scan_chunk or DEVICE_CHUNK[cfg.target]
+            from lorac.graphs.mamba import DEFAULT_CHUNK, DEVICE_CHUNK
+            extra["scan_chunk"] = cfg.scan_chunk or DEVICE_CHUNK.get(cfg.target, DEFAULT_CHUNK)
             self.log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
         elif cfg.scan_chunk:
             raise LoracError(f"--scan-chunk is for Mamba models; {self.spec.arch} has no scan")
