@@ -12,7 +12,8 @@
 
 The target modules (target_*.py) share one small interface: FAMILY, DEVICE,
 GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(mod),
-relax_passes(target), export(executable, art_dir, target) -> manifest fields.
+relax_passes(target), export(executable, art_dir, target) -> manifest fields; optional:
+pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu).
 """
 from __future__ import annotations
 

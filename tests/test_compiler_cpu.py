@@ -56,7 +56,8 @@ def test_bound_inputs_are_copied_into_the_steps_own_buffers(graph, art):
     bound.bound_inputs = True
     assert plain.manifest["bound_inputs"] is False
     frozen = [s for s in bound.inputs if s["name"] not in ("input_ids", "labels") and ".lora_" not in s["name"]]
-    weights = {s["name"]: random_inputs(model, 2)[s["name"]] for s in frozen}
+    first = random_inputs(model, 2)
+    weights = {s["name"]: first[s["name"]] for s in frozen}
     # weights uploaded once and passed back as they are, like the engine's
     uploads = {s["name"]: bound.upload(s, weights[s["name"]]) for s in frozen}
     assert all(bound._to_device(s, uploads[s["name"]]) is uploads[s["name"]] for s in frozen)
