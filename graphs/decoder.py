@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import attention_backward, attention_forward, causal_mask
+from .attention import attention_backward, attention_forward
 from .builder import GraphBuilder
 from .linear import Proj, add_lora, linear_backward, linear_forward
 from .mlp import swiglu_backward, swiglu_forward
@@ -35,8 +35,8 @@ class Ctx:
         B, S = train.batch, train.seq
         self.dims = (B, spec.kv_heads, spec.group, S, spec.head_dim)
         cos, sin = rope_tables(S, spec.head_dim, spec.rope_theta)
-        self.cos, self.sin = g.fconst(cos), g.fconst(sin)
-        self.mask = causal_mask(g, S, spec.group)
+        # [S, 1, Dh]: broadcast over the heads of token-major [B, S, heads, Dh] activations
+        self.cos, self.sin = g.fconst(cos[:, None, :]), g.fconst(sin[:, None, :])
 
 
 def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
@@ -78,16 +78,16 @@ def layer_forward(c: Ctx, x, L: Layer):
     q, uq = linear_forward(g, h1, L.proj["q_proj"])
     k, uk = linear_forward(g, h1, L.proj["k_proj"])
     v, uv = linear_forward(g, h1, L.proj["v_proj"])
+    # token-major heads [B, S, heads, Dh] throughout: no layout changes around attention
     q4, k4 = _heads(g, q, K * G, c), _heads(g, k, K, c)
     nq = nk = None
     if spec.qk_norm:
         q4, nq = rmsnorm_forward(g, q4, L.q_norm, spec.rms_eps)
         k4, nk = rmsnorm_forward(g, k4, L.k_norm, spec.rms_eps)
-    qr = rope_forward(g, g.transpose(q4, 0, 2, 1, 3), c.cos, c.sin, Dh)
-    kr = rope_forward(g, g.transpose(k4, 0, 2, 1, 3), c.cos, c.sin, Dh)
-    v4 = g.transpose(_heads(g, v, K, c), 0, 2, 1, 3)
-    att, sa = attention_forward(g, qr, kr, v4, c.mask, c.dims)
-    a2 = g.reshape(g.transpose(att, 0, 2, 1, 3), N, K * G * Dh)
+    qr = rope_forward(g, q4, c.cos, c.sin, Dh)
+    kr = rope_forward(g, k4, c.cos, c.sin, Dh)
+    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims)
+    a2 = g.reshape(att, N, K * G * Dh)
     o, uo = linear_forward(g, a2, L.proj["o_proj"])
     x1 = g.op("Add", x, o)
     h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
@@ -122,16 +122,15 @@ def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s["n2"]))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
     da2 = proj_back(dx1, s["a2"], "o_proj")
-    datt = g.transpose(g.reshape(da2, B, S, K * G, Dh), 0, 2, 1, 3)
-    dqr, dkr, dv4 = attention_backward(g, datt, s["sa"], c.dims)
-    dq4 = g.transpose(rope_backward(g, dqr, c.cos, c.sin, Dh), 0, 2, 1, 3)
-    dk4 = g.transpose(rope_backward(g, dkr, c.cos, c.sin, Dh), 0, 2, 1, 3)
+    dqr, dkr, dv4 = attention_backward(g, g.reshape(da2, B, S, K * G, Dh), s["sa"], c.dims)
+    dq4 = rope_backward(g, dqr, c.cos, c.sin, Dh)
+    dk4 = rope_backward(g, dkr, c.cos, c.sin, Dh)
     if spec.qk_norm:
         dq4 = rmsnorm_backward(g, dq4, L.q_norm, s["nq"])
         dk4 = rmsnorm_backward(g, dk4, L.k_norm, s["nk"])
     dq = g.reshape(dq4, N, K * G * Dh)
     dk = g.reshape(dk4, N, K * Dh)
-    dv = g.reshape(g.transpose(dv4, 0, 2, 1, 3), N, K * Dh)
+    dv = g.reshape(dv4, N, K * Dh)
     dh1 = [proj_back(d, s["h1"], t, need_dx) for d, t in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj"))]
     if not need_dx:
         return None
