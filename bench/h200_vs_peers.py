@@ -37,12 +37,13 @@ LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interm
                  rope_theta=500000.0)
 # name: (config, peer model name, B, S, lorac TrainSpec extras, peer modes)
 CASES = {
-    "q06-8x1024": (QWEN3_06B, "qwen3-0.6b", 8, 1024, {}, ["compile"]),
+    "q06-8x1024": (QWEN3_06B, "qwen3-0.6b", 8, 1024, {"loss_chunk": 2048}, ["compile"]),
     "q06-1x512": (QWEN3_06B, "qwen3-0.6b", 1, 512, {}, ["reduce-overhead"]),
     "40m-8x1024": (QWEN3_40M, "qwen3-40m", 8, 1024, {}, ["compile"]),
     "8b-4x2048": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "loss_chunk": 2048},
                   ["compile", "eager-gc"]),
-    "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048}, ["compile"]),
+    "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
+                    ["eager-gc", "compile"]),
 }
 PEAK = 790e12
 

@@ -214,8 +214,10 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     gemm = {"dispatched": 0, "left_to_tvm": []}
     if tmod.GEMM_LIBRARY:
         from .gemm import dispatch_gemms
+        from .gemm_sum import fuse_gemm_sums
         mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
-        gemm = {"dispatched": n, "left_to_tvm": left}
+        mod, acc = fuse_gemm_sums(mod)
+        gemm = {"dispatched": n, "left_to_tvm": left, "accumulating": acc}
     inputs, outputs = _signature(proto, mod["main"])
     bound = bool(getattr(tmod, "binds_inputs", lambda _r: False)(request))
     if bound:

@@ -123,6 +123,15 @@ class GraphBuilder:
         """a @ b^T for 2-D b (HF weights are [out, in])."""
         return self.op("MatMul", a, self.op("Transpose", b, perm=[1, 0]))
 
+    def add_all(self, *xs):
+        """x1 + x2 + ... as a chain of Adds (TVM's frontend turns ONNX Sum into stack + sum,
+        a copy of every term; a chain fuses, and one over GEMM results becomes a single
+        accumulating GEMM: compiler/gemm_sum.py)."""
+        out = xs[0]
+        for x in xs[1:]:
+            out = self.op("Add", out, x)
+        return out
+
     def reshape(self, x, *shape: int):
         return self.op("Reshape", x, self.ints(*shape))
 

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 
 from .attention import attention_backward, attention_forward
 from .builder import GraphBuilder
-from .linear import Proj, add_lora, linear_backward, linear_forward
+from .linear import Proj, add_lora, linear_backward, linear_forward, linear_group_forward
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
+
+
+QKV = ("q_proj", "k_proj", "v_proj")  # projections of the same input: LoRA A's in one GEMM
+GATE_UP = ("gate_proj", "up_proj")
 
 
 @dataclass
@@ -75,9 +79,7 @@ def layer_forward(c: Ctx, x, L: Layer):
     B, K, G, S, Dh = c.dims
     N = B * S
     h1, n1 = rmsnorm_forward(g, x, L.in_norm, spec.rms_eps)
-    q, uq = linear_forward(g, h1, L.proj["q_proj"])
-    k, uk = linear_forward(g, h1, L.proj["k_proj"])
-    v, uv = linear_forward(g, h1, L.proj["v_proj"])
+    (q, k, v), u_qkv = linear_group_forward(g, h1, [L.proj[t] for t in QKV])
     # token-major heads [B, S, heads, Dh] throughout: no layout changes around attention
     q4, k4 = _heads(g, q, K * G, c), _heads(g, k, K, c)
     nq = nk = None
@@ -91,12 +93,10 @@ def layer_forward(c: Ctx, x, L: Layer):
     o, uo = linear_forward(g, a2, L.proj["o_proj"])
     x1 = g.op("Add", x, o)
     h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
-    gt, ug = linear_forward(g, h2, L.proj["gate_proj"])
-    up, uu = linear_forward(g, h2, L.proj["up_proj"])
+    (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
     act, sg = swiglu_forward(g, gt, up)
     dn, ud = linear_forward(g, act, L.proj["down_proj"])
-    saved = dict(h1=h1, n1=n1, u=dict(q_proj=uq, k_proj=uk, v_proj=uv, o_proj=uo, gate_proj=ug,
-                                        up_proj=uu, down_proj=ud),
+    saved = dict(h1=h1, n1=n1, u=dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo, down_proj=ud),
                  nq=nq, nk=nk, sa=sa, a2=a2, h2=h2, n2=n2, gt=gt, up=up, sg=sg, act=act)
     return g.op("Add", x1, dn), saved
 
@@ -118,7 +118,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dact = proj_back(dy, s["act"], "down_proj")
     dgt, dup = swiglu_backward(g, dact, s["gt"], s["up"], s["sg"])
-    dh2 = g.op("Add", proj_back(dgt, s["h2"], "gate_proj"), proj_back(dup, s["h2"], "up_proj"))
+    dh2 = g.add_all(proj_back(dgt, s["h2"], "gate_proj"), proj_back(dup, s["h2"], "up_proj"))
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s["n2"]))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
     da2 = proj_back(dx1, s["a2"], "o_proj")
@@ -131,10 +131,10 @@ def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
     dq = g.reshape(dq4, N, K * G * Dh)
     dk = g.reshape(dk4, N, K * Dh)
     dv = g.reshape(dv4, N, K * Dh)
-    dh1 = [proj_back(d, s["h1"], t, need_dx) for d, t in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj"))]
+    dh1 = [proj_back(d, s["h1"], t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
     if not need_dx:
         return None
-    dh1 = g.op("Sum", *dh1)
+    dh1 = g.add_all(*dh1)  # one accumulating GEMM chain on GPUs (compiler/gemm_sum.py)
     return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s["n1"]))
 
 

@@ -173,6 +173,7 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
 
     from . import gemm
     gemm.register()
+    gemm.register_accumulating(m.get("gemm", {}).get("accumulating", []))
     if device == "cuda":
         from . import cuda_loader
         cuda_loader.prepare(art_dir, m)

@@ -9,7 +9,7 @@ import pytest
 
 from lorac.graphs.attention import attention_backward, attention_forward
 from lorac.graphs.builder import INT64, GraphBuilder
-from lorac.graphs.linear import Proj, linear_backward, linear_forward
+from lorac.graphs.linear import Proj, linear_backward, linear_forward, linear_group_forward
 from lorac.graphs.loss import loss_and_grad
 from lorac.graphs.mlp import swiglu_backward, swiglu_forward
 from lorac.graphs.norm import rmsnorm_backward, rmsnorm_forward
@@ -126,6 +126,32 @@ def test_linear(lora, bias):
         if lora:
             grads.update(a=da, b=db)
         return y, grads
+    fd_check(shapes, emit)
+
+
+@pytest.mark.parametrize("adapted", [(True, False, True), (True, True, True), (False, True, False)])
+def test_linear_group(adapted):
+    """Projections sharing one input (q/k/v): the adapted ones' A in one GEMM (each backward
+    reads its slice of u), also with a frozen one in between and with one adapted alone."""
+    N, i, r, outs = 5, 6, 2, (7, 3, 4)
+    shapes = {"x": (N, i)}
+    for j, (o, ad) in enumerate(zip(outs, adapted)):
+        shapes[f"w{j}"], shapes[f"bias{j}"] = (o, i), (o,)
+        if ad:
+            shapes[f"a{j}"], shapes[f"b{j}"] = (r, i), (o, r)
+    def emit(g, x):
+        projs = [Proj(x[f"w{j}"], x[f"bias{j}"], x.get(f"a{j}"), x.get(f"b{j}"), 0.7 if ad else 0.0)
+                 for j, ad in enumerate(adapted)]
+        ys, us = linear_group_forward(g, x["x"], projs)
+        dy, cuts = _dy(g, (N, sum(outs))), np.cumsum((0,) + outs)
+        dys = [g.slice(dy, int(lo), int(hi), 1) for lo, hi in zip(cuts, cuts[1:])]
+        back = [linear_backward(g, d, x["x"], u, p) for d, u, p in zip(dys, us, projs)]
+        grads = {"x": g.add_all(*[b[0] for b in back])}
+        for j, (_, da, db) in enumerate(back):
+            if da is not None:
+                grads[f"a{j}"], grads[f"b{j}"] = da, db
+        # one output: the outputs concatenated, so each dy_j is a block of the check's dy
+        return g.op("Concat", *ys, axis=1), grads
     fd_check(shapes, emit)
 
 
