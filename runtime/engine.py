@@ -168,16 +168,40 @@ class Engine:
         get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
         return get(self._p), get(self._m), get(self._v)
 
+    def _feed(self, step, lora: dict) -> dict:
+        """`lora` as `step` may read it. The flat-buffer views (self.lora) start at an offset
+        into their buffer, which TVM's kernels ignore: they are built without argument
+        checks (compiler/pipeline.py) and read from the buffer's base. GEMMs take the
+        offset into account, but other kernels read LoRA tensors too (the bf16 casts, the
+        concatenated A of q/k/v), so a plain artifact gets owned copies of the views (a
+        device-side copy of a few MB a step); an artifact with bound inputs copies every
+        input into its own buffers anyway."""
+        views = getattr(self, "_views", None)
+        if not views or step.bound_inputs:
+            return lora
+        import tvm
+        owned = self.__dict__.setdefault("_owned", {})
+        out = {}
+        for n, t in lora.items():
+            if views.get(n) is t:
+                if n not in owned:
+                    owned[n] = tvm.runtime.empty(tuple(t.shape), str(t.dtype), t.device)
+                t.copyto(owned[n])
+                t = owned[n]
+            out[n] = t
+        return out
+
     # -- the compiled calls -------------------------------------------------------------
     def step(self, batch: dict, lora: dict) -> dict:
         """Loss and gradients (device tensors; `loss` as a float)."""
-        out = self._artifact("train")({**self._weights, **lora, **batch}, as_numpy=False)
+        step = self._artifact("train")
+        out = step({**self._weights, **self._feed(step, lora), **batch}, as_numpy=False)
         out["loss"] = float(out["loss"].numpy())
         return out
 
     def eval_loss(self, batch: dict, lora: dict) -> float:
         step = self._artifact("eval")
-        return float(step({**self._weights, **lora, **batch}, as_numpy=False)["loss"].numpy())
+        return float(step({**self._weights, **self._feed(step, lora), **batch}, as_numpy=False)["loss"].numpy())
 
     def update(self, grads: dict, lr_a: float, lr_b: float, t: int):
         """One LoRA+ AdamW step on the device over the flat state -> (grad_norm, skipped).
@@ -206,7 +230,7 @@ class Engine:
         """Logits [B', S', V] of a forward graph compiled for ids' shape (cached per shape)."""
         step = self._artifact(f"forward:{ids.shape[0]},{ids.shape[1]}")
         # the forward artifact takes the frozen weights in the same dtypes: share the device copies
-        return step({**self._weights, **lora, "input_ids": ids})["logits"]
+        return step({**self._weights, **self._feed(step, lora), "input_ids": ids})["logits"]
 
 
 def _lora_shape(spec, train, name: str) -> tuple[int, int]:
