@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -89,9 +90,13 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_train(args) -> int:
+    import signal
+
     from .train import train
     summary = train(train_config(args))
     print(json.dumps(summary, indent=1))
+    if summary.get("interrupted"):  # a checkpoint was saved; the exit status says the run is not done
+        return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
     return 0
 
 
@@ -227,18 +232,47 @@ def main(argv=None) -> int:
     return _guard(lambda: args.func(args))
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP outside the training loop (which saves a checkpoint on them itself)."""
+
+
+def _terminate(signum, _frame):
+    raise Terminated(signum)
+
+
 def _guard(fn) -> int:
+    """Run a command: every failure ends as one line on stderr and a nonzero status."""
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind (temp files go) instead of dying mid-write
+        signal.signal(sig, _terminate)
     try:
         return fn()
     except LoracError as e:
         print(f"lorac: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # spec validation (lorac.graphs) raises plain ValueErrors with one line
-        print(f"lorac: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"lorac: error: {_first_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, permission denied, a path that is a folder, ...
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"lorac: error: {where}{e.strerror or _first_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lorac: interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"lorac: terminated by {signal.Signals(e.args[0]).name}", file=sys.stderr)
+        return 128 + e.args[0]
+    except Exception as e:  # a bug: still one line, the traceback on request
+        if os.environ.get("LORAC_TRACEBACK"):
+            raise
+        print(f"lorac: internal error: {type(e).__name__}: {_first_line(e)} (a bug in lorac; set LORAC_TRACEBACK=1 "
+              "to see where)", file=sys.stderr)
+        return 1
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def console() -> None:

@@ -207,6 +207,38 @@ def check_weights(config, weights, source):
         raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
 
 
+def weight_files(path) -> list:
+    """The files holding a model's weights: a .gguf file, or an HF directory's safetensors."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return [path]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        return [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+
+
+FINGERPRINT_WINDOWS, FINGERPRINT_BYTES = 17, 1 << 16
+
+
+def fingerprint(path) -> str:
+    """Identity of a model's weights without reading them all: per weight file its size, its
+    first MiB (the header) and 17 windows of 64 KiB spread evenly over it. Two models of one
+    config (a base and its fine-tune) differ in every window, so they never share it."""
+    import hashlib
+    h = hashlib.sha256()
+    for file in weight_files(path):
+        size = os.path.getsize(file)
+        h.update(f"{os.path.basename(file)}:{size}\n".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(1 << 20))
+            for k in range(FINGERPRINT_WINDOWS):
+                f.seek(max(0, (size - FINGERPRINT_BYTES) * k // (FINGERPRINT_WINDOWS - 1)))
+                h.update(f.read(FINGERPRINT_BYTES))
+    return h.hexdigest()
+
+
 def load_model(path, dtype=np.float32) -> tuple[dict, dict]:
     """(config dict, weights) from an HF model directory or a .gguf file."""
     path = os.fspath(path)
