@@ -26,7 +26,7 @@ import json
 from importlib import metadata
 from pathlib import Path
 
-from lorac.runtime import integrity
+from lorac.runtime import atomic, integrity
 from lorac.runtime.integrity import sha256_bytes  # noqa: F401 (pipeline's)
 from lorac.runtime.artifact_cache import FORMAT, SEAL, publish, read_manifest, staging_dir, verify  # noqa: F401
 from lorac.runtime.artifact_cache import MANIFEST as FILE
@@ -58,9 +58,7 @@ def write(art_dir: Path, manifest: dict) -> Path:
     path = Path(art_dir) / FILE
     files = {f: integrity.sha256_file(Path(art_dir) / f) for f in integrity.files_below(art_dir) if f != FILE}
     manifest = integrity.seal({**manifest, "files": files}, SEAL)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    tmp.replace(path)  # a reader never sees half a manifest
+    atomic.write_text(path, json.dumps(manifest, indent=1) + "\n")  # a reader never sees half a manifest
     return path
 
 

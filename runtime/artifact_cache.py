@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import integrity, locks
+from . import atomic, integrity, locks
 from .errors import LoracError
 
 FORMAT = "lorac-artifact"
@@ -111,17 +110,7 @@ def staging_dir(art_dir) -> Path:
     return Path(tempfile.mkdtemp(prefix=_stage_prefix(art_dir), dir=art_dir.parent))
 
 
-def publish(stage: Path, art_dir) -> Path:
-    """Put a finished staging directory in place of `art_dir` (replacing what was there)."""
-    art_dir = Path(art_dir)
-    old = None
-    if art_dir.exists() or art_dir.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{art_dir.name}.old-", dir=art_dir.parent))
-        os.replace(art_dir, old / "entry")
-    os.rename(stage, art_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return art_dir
+publish = atomic.replace_dir  # (stage, art_dir): a finished build in place of the entry
 
 
 @contextmanager
@@ -132,7 +121,7 @@ def build_lock(art_dir, log=None):
     art_dir.parent.mkdir(parents=True, exist_ok=True)
     wait = (lambda: log(f"waiting for another lorac process building {art_dir.name} ...")) if log else None
     with locks.held(art_dir.with_name(art_dir.name + ".lock"), on_wait=wait):
-        for prefix in (_stage_prefix(art_dir), f".{art_dir.name}.old-"):
+        for prefix in (_stage_prefix(art_dir), f".{art_dir.name}.old-"):  # old-: atomic.replace_dir's
             for p in art_dir.parent.glob(glob.escape(prefix) + "*"):
                 shutil.rmtree(p, ignore_errors=True)
         yield

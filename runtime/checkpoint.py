@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from . import integrity
+from . import atomic, integrity
 from .errors import LoracError
 
 FORMAT = "lorac-checkpoint-2"  # 2: state.json sealed (state_sha256)
@@ -74,23 +74,7 @@ def rng_from_state(state: dict) -> np.random.Generator:
 
 
 # -- writing -----------------------------------------------------------------------------
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # a directory fsync makes the names inside it (new files, renames) durable
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
+_fsync_file = _fsync_dir = atomic.fsync_path
 _sha256 = integrity.sha256_file
 
 
@@ -99,13 +83,7 @@ def _f32(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: readers see the old or the new content
-    _fsync_dir(path.parent)
+    atomic.write_text(path, text, durable=True)  # readers see the old or the new content
 
 
 def save_checkpoint(root, step: int, lora: dict[str, np.ndarray], m: dict[str, np.ndarray],

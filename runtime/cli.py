@@ -74,19 +74,41 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
             values = {k.replace("-", "_"): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
         except FileNotFoundError:
             raise LoracError(f"config file not found: {args.config}") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise LoracError(f"{args.config}: not valid TOML ({e})") from None
-        known = {f.name for f in fields(TrainConfig)}
+        known = {f.name for f in fields(TrainConfig)} - {"extra"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise LoracError(f"{args.config}: unknown setting(s) {', '.join(unknown)}")
+        _check_types(values, args.config)
     for f in fields(TrainConfig):
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
     if isinstance(values.get("targets"), str):
         values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
+    elif isinstance(values.get("targets"), list):
+        values["targets"] = tuple(values["targets"])
     return TrainConfig(**values)
+
+
+def _check_types(values: dict, where: str) -> None:
+    """Each TOML value of the type its flag takes (targets: a string or a list of strings)."""
+    defaults = TrainConfig()
+    for key, v in values.items():
+        d = getattr(defaults, key)
+        if key == "targets":
+            ok, kind = isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v)), \
+                "a string or a list of strings"
+        elif isinstance(d, bool):
+            ok, kind = isinstance(v, bool), "true or false"
+        elif isinstance(d, (int, float)):
+            want = int if isinstance(d, int) else (int, float)
+            ok, kind = isinstance(v, want) and not isinstance(v, bool), "an integer" if want is int else "a number"
+        else:
+            ok, kind = isinstance(v, str), "a string"
+        if not ok:
+            raise LoracError(f"{where}: {key} = {v!r} must be {kind}")
 
 
 def cmd_train(args) -> int:
@@ -115,6 +137,10 @@ def _engine_from_checkpoint(args):
     config, weights, tok = source.load()
     spec = ModelSpec.from_hf_config(config)
     seq = args.seq or tcfg.get("seq", 128)
+    from . import limits
+    limits.check_context(seq, config, "--seq")
+    if getattr(args, "window", None):
+        limits.check_context(args.window, config, "--window")
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
                       lora_targets=tuple(tcfg.get("targets") or spec.targets), rank=tcfg.get("rank", 1),
@@ -158,6 +184,8 @@ def cmd_export(args) -> int:
     alpha, rslora = tcfg.get("alpha"), tcfg.get("rslora", False)
     config = ck.state.get("model_config", {})
     source = resolve_model(args.model or tcfg.get("model"))
+    from .export_output import check_destination
+    check_destination(args.out, [source.path, ck.path, args.checkpoint])  # never over what it reads
     if args.format == "peft":
         path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
                                   base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"),
@@ -243,8 +271,17 @@ def _terminate(signum, _frame):
 def _guard(fn) -> int:
     """Run a command: every failure ends as one line on stderr and a nonzero status."""
     import signal
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind (temp files go) instead of dying mid-write
-        signal.signal(sig, _terminate)
+    # SIGTERM/SIGHUP unwind (temp files go, locks are released) instead of dying mid-write
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(fn)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(fn) -> int:
+    import signal
     try:
         return fn()
     except LoracError as e:

@@ -125,7 +125,10 @@ def document_pieces(record, tokenizer, where):
             raise LoracError(f"{where}: \"messages\" must be a list of {{role, content}} objects")
         if not any(m["role"] == "assistant" for m in messages):
             raise LoracError(f"{where}: conversation has no assistant turn to learn from")
-        text, spans = tokenizer.chat_spans(messages)
+        try:
+            text, spans = tokenizer.chat_spans(messages)
+        except LoracError as e:
+            raise LoracError(f"{where}: {e}") from None
         return text, spans, True, False  # the template writes BOS itself if the model wants it
     if "prompt" in record or "completion" in record:
         prompt, completion = record.get("prompt"), record.get("completion")

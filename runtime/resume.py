@@ -13,9 +13,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from . import atomic
 from .errors import LoracError
 
 MUST_MATCH = ("lr", "loraplus_ratio", "warmup", "weight_decay", "max_grad_norm")
@@ -57,6 +57,4 @@ def truncate_metrics(path: Path, step: int) -> None:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
             keep.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    atomic.write_text(path, "".join(keep))

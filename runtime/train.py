@@ -123,6 +123,10 @@ class Run:
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk, extra=extra)
         self.train_spec.validate(self.spec)
+        from . import limits  # before any compile: an impossible size would only fill memory
+        limits.check_context(cfg.seq, self.model_config, "--seq")
+        limits.check_rank(self.spec, self.train_spec)
+        limits.check_memory(self.spec, self.train_spec, sum(int(w.size) for w in weights.values()), cfg.target)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
                                  eval_path=eval_path)
@@ -195,12 +199,12 @@ def sample_prompt(cfg: TrainConfig, eval_path) -> str | None:
         return cfg.sample_prompt
     if not eval_path or not str(eval_path).endswith(".jsonl"):
         return None
-    with open(eval_path) as f:
-        rec = json.loads(f.readline() or "{}")
-    if "prompt" in rec:
+    from .data import read_records
+    rec = next((r for _, r in read_records(eval_path)), {})  # the loader's reading: blank lines skipped
+    if isinstance(rec.get("prompt"), str):
         return rec["prompt"]
-    users = [m["content"] for m in rec.get("messages", []) if m.get("role") == "user"]
-    return users[0] if users else None
+    users = [m["content"] for m in rec.get("messages") or [] if isinstance(m, dict) and m.get("role") == "user"]
+    return users[0] if users and isinstance(users[0], str) else None
 
 
 def _sample_ids(run):
