@@ -1,7 +1,7 @@
 """Where an export may write, and how it writes: whole or not at all.
 
-- `check_destination` refuses an output that is, or holds, a path the export reads from (the
-  base model, the checkpoint): `lorac export --format merged --out <the base model>` would
+- `check_destination` refuses an output that is, holds or lies inside a path the export reads
+  (the base model, the checkpoint): `lorac export --format merged --out <the base model>` would
   otherwise overwrite the weights it merges into.
 - `staged` writes an export into a hidden sibling of its destination and renames it into
   place only when complete, so a failure (disk full, a bad tensor) leaves the destination as
@@ -24,15 +24,19 @@ from .errors import LoracError
 
 
 def check_destination(out, protected) -> None:
-    """Refuse `out` when it is, or contains, one of the `protected` paths."""
+    """Refuse `out` when it is, holds, or lies inside one of the `protected` paths."""
     dest = os.path.realpath(out)
     for p in protected:
         if p is None:
             continue
         real = os.path.realpath(p)
-        if real == dest or real.startswith(dest.rstrip(os.sep) + os.sep):
-            what = "is" if real == dest else "holds"
+        what = "is" if real == dest else "holds" if _inside(real, dest) else "lies inside" if _inside(dest, real) else None
+        if what:
             raise LoracError(f"--out {out} {what} {p}, which this export reads; choose another output path")
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 @contextmanager
