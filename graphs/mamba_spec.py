@@ -71,13 +71,14 @@ class MambaSpec:
 def _intermediate(cfg: dict, hidden: int) -> int:
     # HF recomputes intermediate_size = int(expand * hidden_size) and ignores a stored value;
     # a config where the two disagree is ambiguous, so it is refused rather than guessed.
-    inter = cfg.get("intermediate_size")
+    inter = count_field(cfg, "intermediate_size") if cfg.get("intermediate_size") is not None else None
     if "expand" in cfg or inter is None:
-        from_expand = int(number_field(cfg, "expand", 2) * hidden)
-        if inter is not None and int(inter) != from_expand:
+        from_expand = count_field({"expand * hidden_size": int(min(number_field(cfg, "expand", 2) * hidden, 2**62))},
+                                  "expand * hidden_size")
+        if inter is not None and inter != from_expand:
             raise ValueError(f"unsupported config: intermediate_size={inter} disagrees with expand*hidden_size={from_expand}")
         return from_expand
-    return count_field(cfg, "intermediate_size")
+    return inter
 
 
 def _refuse_unsupported(cfg: dict) -> None:

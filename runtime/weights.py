@@ -80,7 +80,10 @@ def _check_layout(path, header, data_size):
             dtype, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise LoracError(f"{path}: corrupt safetensors entry for tensor {name}") from None
-        if dtype not in SAFETENSORS_DTYPES:
+        if not isinstance(shape, list) or not all(_count(d) for d in shape) or not (_count(begin) and _count(end)):
+            raise LoracError(f"{path}: corrupt safetensors entry for tensor {name} (shape {shape!r}, offsets "
+                             f"{[begin, end]!r}: non-negative integers expected)")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise LoracError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         itemsize = 2 if dtype == "BF16" else np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
         if not (0 <= begin <= end <= data_size):
@@ -94,6 +97,10 @@ def _check_layout(path, header, data_size):
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise LoracError(f"{path}: corrupt safetensors file (tensors {n0} and {n1} overlap)")
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
 
 
 def load_safetensors(path, dtype=np.float32, names=None) -> dict:
@@ -202,6 +209,11 @@ def check_weights(config, weights, source):
     """Raise a LoracError naming the first tensor the config needs and the weights lack."""
     if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "mamba"):
         return  # a family lorac does not train: ModelSpec refuses it with its own message
+    layers = config.get("num_hidden_layers", 0)
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= len(weights):
+        # (each layer holds at least one tensor: a larger count cannot match these weights)
+        raise LoracError(f"{source}: config num_hidden_layers={layers!r} does not fit the {len(weights)} tensors "
+                         "of the weights (a positive integer expected)")
     missing = [n for n in required_tensors(config) if n not in weights]
     if missing:
         raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
