@@ -21,7 +21,7 @@ TRAIN_HELP = {
     "data": "training data: .txt, or .jsonl with text / prompt+completion / chat messages "
             "(default: the bundled Jargon File Q&A corpus)",
     "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
-    "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/",
+    "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
     "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "PEFT directory, merged HF model, or GGUF LoRA adapter for llama.cpp.")
     q.add_argument("--checkpoint", required=True, help="checkpoint directory (or OUT/checkpoints)")
     q.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft")
-    q.add_argument("--out", required=True, help="output directory (peft, merged) or .gguf file (gguf)")
+    q.add_argument("--out", required=True, help="output directory (peft, merged) or .gguf file (gguf); never the base "
+                   "model or the checkpoint; an existing directory is replaced only when it holds a previous export")
     q.add_argument("--model", help="base model (merged needs its HF directory; default: the checkpoint's)")
     q.set_defaults(func=cmd_export)
     return ap
