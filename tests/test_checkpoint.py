@@ -116,10 +116,16 @@ def _run_child(root: Path, kill_at: int | None) -> list[str]:
     code = CHILD.format(tests=str(Path(__file__).parent))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True, env=env)
+    return _kill_when(proc, lambda seen: kill_at is not None and seen[-1].startswith("PHASE")
+                      and sum(s.startswith("PHASE") for s in seen) > kill_at)
+
+
+def _kill_when(proc, should) -> list[str]:
+    """Read the child's lines; SIGKILL it as soon as should(lines so far) holds."""
     seen = []
     for line in proc.stdout:
         seen.append(line.strip())
-        if kill_at is not None and line.startswith("PHASE") and sum(s.startswith("PHASE") for s in seen) > kill_at:
+        if should(seen):
             os.kill(proc.pid, signal.SIGKILL)
             break
     proc.wait(timeout=30)
@@ -209,12 +215,7 @@ PRUNE_CHILD = textwrap.dedent("""
 def test_kill_while_pruning_leaves_only_whole_checkpoints(tmp_path):
     code = PRUNE_CHILD.format(tests=str(Path(__file__).parent))
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("UNLINK"):
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-    proc.wait(timeout=30)
-    proc.stdout.close()
+    _kill_when(proc, lambda seen: seen[-1] == "UNLINK")
     assert load_checkpoint(tmp_path).step == 3 and load_checkpoint(tmp_path / "ckpt-000002").step == 2
     assert not (tmp_path / "ckpt-000001").exists()  # gone whole (renamed away), never half
     for step in (4, 5):  # later saves keep the newest two by step and sweep the trash

@@ -325,12 +325,10 @@ LONG_LINE = """
 import json, resource, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from tiny_model import char_tokenizer_json
-from tokenizers import Tokenizer as Backend
+from tiny_model import char_tokenizer
 from lorac.runtime.data import load_dataset
 from lorac.runtime.tokenizer import Tokenizer
-char_tokenizer_json(Path(sys.argv[1]) / "tok.json")   # one token per character: the costliest case
-tok = Tokenizer(Backend.from_file(str(Path(sys.argv[1]) / "tok.json")), eos_id=1)
+tok = Tokenizer(char_tokenizer(), eos_id=1)  # one token per character: the costliest case
 path = Path(sys.argv[1]) / "one.jsonl"
 path.write_text(json.dumps({{"prompt": "Q: ", "completion": "the quick brown fox jumps. " * 80000}}) + "\\n")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -355,12 +353,10 @@ KEEP_DATA = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from tiny_model import char_tokenizer_json
-from tokenizers import Tokenizer as Backend
+from tiny_model import char_tokenizer
 from lorac.runtime.data import load_dataset
 from lorac.runtime.tokenizer import Tokenizer
-char_tokenizer_json(Path(sys.argv[1]) / "tok.json")
-tok = Tokenizer(Backend.from_file(str(Path(sys.argv[1]) / "tok.json")), eos_id=1)
+tok = Tokenizer(char_tokenizer(), eos_id=1)
 (Path(sys.argv[1]) / "c.txt").write_text("the cat sat\\n\\non the mat\\n")
 ds = load_dataset(Path(sys.argv[1]) / "c.txt", tok, 8, tok.vocab_size)
 print(ds.folder, flush=True)

@@ -74,16 +74,9 @@ def odd_text(rng, n=40):
 # -- data files ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok():
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
     from lorac.runtime.tokenizer import Tokenizer
-    from tiny_model import CHATML
-    chars = list(string.printable) + ["é", "ü"]
-    vocab = {c: i for i, c in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}
-    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    return Tokenizer(backend, eos_id=1, chat_template=CHATML, source="fuzz")
+    from tiny_model import CHATML, char_tokenizer
+    return Tokenizer(char_tokenizer(string.printable + "éü"), eos_id=1, chat_template=CHATML, source="fuzz")
 
 
 def random_record(rng):
