@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import weakref
 
 import numpy as np
@@ -45,6 +46,7 @@ MAX_PIECE = 1 << 16     # chars: a longer document is tokenized in pieces of at 
 ENCODE_CHARS = 1 << 18  # chars per encode_batch call at the most (pieces of one chunk)
 MAX_LINE = 1 << 24      # chars: a longer JSONL line (one record) is refused, never read whole
 TEMP_PREFIX = "lorac-data-"
+UNLOCKED_AGE = 86400    # s: a temp folder without a lock file older than this is removed
 
 
 # ---------------------------------------------------------------- reading
@@ -435,8 +437,12 @@ def _temp_folder():
     from . import locks
     for old in glob.glob(os.path.join(tempfile.gettempdir(), glob.escape(TEMP_PREFIX) + "*")):
         try:
-            lock = locks.acquire(os.path.join(old, ".lock"), wait=False) if os.path.isdir(old) else None
-        except OSError:  # another user's folder
+            if not os.path.exists(os.path.join(old, ".lock")):  # made by a lorac without these locks:
+                if time.time() - os.path.getmtime(old) > UNLOCKED_AGE:  # surely dead after a day
+                    shutil.rmtree(old, ignore_errors=True)
+                continue
+            lock = locks.acquire(os.path.join(old, ".lock"), wait=False)
+        except OSError:  # another user's folder, or gone meanwhile
             continue
         if lock is not None:
             _remove_temp(old, lock)

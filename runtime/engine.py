@@ -67,7 +67,12 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
             return art
         if bad != "missing":
             log(f"cache entry {art.name} is unusable ({bad}); rebuilding it")
-        from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
+        try:
+            from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
+        except ImportError as e:
+            why = "is missing" if bad == "missing" else f"is unusable ({bad})"
+            raise LoracError(f"cache entry {art} {why}, and this machine cannot compile it "
+                             f"({e}); compile it where lorac's compile extra is installed") from None
         t0 = time.perf_counter()
         model = build()
         log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes) ...")
