@@ -158,6 +158,7 @@ BUILDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_cold_builders_of_one_entry_build_once(tmp_path):
     cache = tmp_path / "shared-cache"
     code = BUILDER.format(tests=str(Path(__file__).parent), key=KEY)

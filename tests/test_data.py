@@ -337,6 +337,7 @@ print(ds.train.n_tokens, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - b
 """
 
 
+@pytest.mark.slow
 def test_one_long_line_is_tokenized_in_bounded_memory(tmp_path):
     """A 2 MB JSONL line: whole, the tokenizer's working memory grew ~0.9 GB (a 5 MB line: 2 GB)."""
     import subprocess

@@ -69,6 +69,7 @@ SLOW = ("--save-every", "100", "--eval-every", "1", "--eval-batches", "8")  # sl
 
 
 # -- security -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_planted_cache_library_never_runs_and_the_entry_is_rebuilt(work, tmp_path):
     cache = tmp_path / "cache"
     import shutil
@@ -123,6 +124,7 @@ def test_a_checkpoint_with_nan_lora_values_is_not_exported(work, tmp_path, capsy
         assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_save_a_checkpoint_and_exit_nonzero(work, tmp_path, sig):
     out = tmp_path / "run"
@@ -145,6 +147,7 @@ def test_sigterm_and_sighup_save_a_checkpoint_and_exit_nonzero(work, tmp_path, s
         assert all(abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]) for s in got)
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_logs_each_step_once(work, tmp_path):
     out = tmp_path / "run"
     args = _train_args(work, out, STEPS, "--save-every", "3", "--eval-every", "1", "--eval-batches", "8")
@@ -163,6 +166,7 @@ def test_resume_after_kill_9_logs_each_step_once(work, tmp_path):
     assert evals == sorted(set(evals))
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_directory_do_not_collide(work, tmp_path):
     out = tmp_path / "run"
     first = subprocess.Popen(LORAC + _train_args(work, out, 6, *SLOW), stdout=subprocess.PIPE,
