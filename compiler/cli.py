@@ -17,8 +17,10 @@ targets:
   rocm     AMD GPUs (needs ROCm device libraries and ld.lld)
   metal    Apple GPUs (TVM 0.27's Metal codegen crashes; reported as an error)
 
-The artifact directory holds the compiled library and manifest.json; rebuilding
-the same graph for the same target and dtype is a cache hit (no work).
+The artifact directory holds the compiled library and manifest.json (with the
+sha256 of every file, checked before anything is loaded); rebuilding the same
+graph for the same target and dtype is a cache hit (no work), and a directory
+that fails that check is rebuilt.
 examples:
   lorac compile train.onnx --target cpu --out art/cpu
   lorac compile train.onnx --target cuda --dtype bfloat16 --out art/cuda-bf16
@@ -59,9 +61,11 @@ def compile_command(argv: list[str]) -> int:
         print(f"lorac compile: error: --cuda-graph is for --target cuda, not {args.target}", file=sys.stderr)
         return 2
     target = {"kind": "cuda", "cuda_graph": True} if args.cuda_graph else args.target
+    from lorac.runtime.artifact_cache import build_lock
     try:
-        out = compile_graph(args.graph, target=target, out_dir=args.out, dtype=args.dtype,
-                            tune=args.tune, force=args.force, verbose=not args.quiet)
+        with build_lock(args.out):  # one builder per artifact directory
+            out = compile_graph(args.graph, target=target, out_dir=args.out, dtype=args.dtype,
+                                tune=args.tune, force=args.force, verbose=not args.quiet)
     except LoracError as e:
         print(f"lorac compile: error: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 An artifact directory holds the compiled library, optional device code, and this file.
 Fields (docs/COMPILER.md has the full table):
 
-    format, format_version      "lorac-artifact", 1
+    format, format_version      "lorac-artifact", 2
     lorac_version, tvm_version  who built it
     graph_sha256                sha256 of the serialized source ONNX graph
     target                      {"family": "cpu"|"cuda"|..., "tvm": <tvm target dict>}
@@ -13,20 +13,26 @@ Fields (docs/COMPILER.md has the full table):
                                 ONNX name, "relax_name" the frontend's renamed parameter
     gemm                        {"dispatched": n, "left_to_tvm": [...]}
     extra                       per-target fields (e.g. the CUDA fatbin file)
+    files                       {file name: sha256} of every other file in the directory
+    manifest_sha256             sha256 of this manifest without this field (its seal)
 
+The runtime verifies `files` and the seal before it loads anything (runtime/artifact_cache.py).
 The cache key of a build is (graph_sha256, target, dtype, lorac_version, tvm_version): any
 change rebuilds.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib import metadata
 from pathlib import Path
 
-FORMAT = "lorac-artifact"
-FORMAT_VERSION = 1
-FILE = "manifest.json"
+from lorac.runtime import atomic, integrity
+from lorac.runtime.integrity import sha256_bytes  # noqa: F401 (pipeline's)
+from lorac.runtime.artifact_cache import FORMAT, SEAL, publish, read_manifest, staging_dir, verify  # noqa: F401
+from lorac.runtime.artifact_cache import MANIFEST as FILE
+from lorac.runtime.errors import LoracError
+
+FORMAT_VERSION = 2  # 2: files and manifest_sha256 (entries of version 1 are rebuilt)
 
 
 def lorac_version() -> str:
@@ -42,40 +48,37 @@ def tvm_version() -> str:
         return "unknown"
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def cache_key(graph_sha256: str, target: dict, dtype: str, tune: int = 0) -> dict:
     return {"graph_sha256": graph_sha256, "target": target, "dtype": dtype, "tune": tune,
             "lorac_version": lorac_version(), "tvm_version": tvm_version()}
 
 
 def write(art_dir: Path, manifest: dict) -> Path:
+    """Write `manifest` into a finished build, with the sha256 of every file there, sealed."""
     path = Path(art_dir) / FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    tmp.replace(path)  # a reader never sees half a manifest
+    files = {f: integrity.sha256_file(Path(art_dir) / f) for f in integrity.files_below(art_dir) if f != FILE}
+    manifest = integrity.seal({**manifest, "files": files}, SEAL)
+    atomic.write_text(path, json.dumps(manifest, indent=1) + "\n")  # a reader never sees half a manifest
     return path
 
 
 def read(art_dir: Path) -> dict | None:
-    path = Path(art_dir) / FILE
-    if not path.is_file():
-        return None
     try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        return read_manifest(art_dir)
+    except (LoracError, OSError):
         return None
-    return m if m.get("format") == FORMAT else None
 
 
 def matches(manifest: dict | None, key: dict, art_dir: Path) -> bool:
-    """True when `manifest` was built from the same key and its library is still there."""
+    """True when `manifest` was built from the same key and the directory passes verification."""
     if manifest is None or manifest.get("format_version") != FORMAT_VERSION:
         return False
     if any(manifest.get(k) != v for k, v in key.items() if k != "target"):
         return False
     if manifest.get("target", {}).get("request") != key["target"]:
         return False
-    return (Path(art_dir) / manifest.get("library", "")).is_file()
+    try:
+        verify(art_dir, manifest)
+    except (LoracError, OSError):
+        return False
+    return True

@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -249,10 +248,9 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         ex = tvm.compile(mod, tvm_target, relax_pipeline=pipeline)
     t_build = time.perf_counter() - t0 - t_import
 
-    # build into a fresh staging directory, then swap: a failed export leaves no half artifact
-    stage = art_dir.with_name(art_dir.name + ".building")
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    # build into a fresh staging directory, then swap: a failed export leaves no half artifact,
+    # and two builders of one directory never write into each other's files
+    stage = mf.staging_dir(art_dir)
     files = tmod.export(ex, stage, tvm_target)
     manifest = {
         "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
@@ -267,10 +265,8 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         "compile_seconds": {"import": round(t_import, 3), "build": round(t_build, 3),
                             "export": round(time.perf_counter() - t0 - t_import - t_build, 3)},
     }
-    mf.write(stage, manifest)
-    if art_dir.exists():
-        shutil.rmtree(art_dir)
-    stage.rename(art_dir)
+    mf.write(stage, manifest)  # with the sha256 of every file, sealed (runtime/artifact_cache.py)
+    mf.publish(stage, art_dir)
     if verbose:
         print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
               f"{len(gemm['left_to_tvm'])} left to TVM; {manifest['compile_seconds']} s -> {art_dir}")

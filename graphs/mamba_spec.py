@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .spec import count_field, number_field
+
 MAMBA_TARGETS = ("in_proj", "x_proj", "dt_proj", "out_proj")
 
 
@@ -50,20 +52,18 @@ class MambaSpec:
         if cfg.get("model_type") != "mamba":
             raise ValueError(f"not a Mamba-1 config: model_type={cfg.get('model_type')!r}")
         _refuse_unsupported(cfg)
-        hidden = int(cfg["hidden_size"])
+        hidden = count_field(cfg, "hidden_size")
         inter = _intermediate(cfg, hidden)
         rank = cfg.get("time_step_rank", "auto")
         rank = math.ceil(hidden / 16) if rank == "auto" else rank
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ValueError(f"unsupported config field time_step_rank={rank!r} (an integer >= 1 or 'auto')")
-        kernel = int(cfg.get("conv_kernel", 4))
-        if kernel < 1:
-            raise ValueError(f"unsupported config field conv_kernel={kernel} (must be >= 1)")
+        kernel = count_field(cfg, "conv_kernel", 4)
         return cls(
-            vocab=int(cfg["vocab_size"]), hidden=hidden, layers=int(cfg["num_hidden_layers"]),
-            state=int(cfg.get("state_size", 16)), intermediate=inter, conv_kernel=kernel, dt_rank=rank,
+            vocab=count_field(cfg, "vocab_size"), hidden=hidden, layers=count_field(cfg, "num_hidden_layers"),
+            state=count_field(cfg, "state_size", 16), intermediate=inter, conv_kernel=kernel, dt_rank=rank,
             use_bias=bool(cfg.get("use_bias", False)), conv_bias=bool(cfg.get("use_conv_bias", True)),
-            rms_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), tied=bool(cfg.get("tie_word_embeddings", True)),
+            rms_eps=number_field(cfg, "layer_norm_epsilon", 1e-5), tied=bool(cfg.get("tie_word_embeddings", True)),
             bos_id=cfg.get("bos_token_id"), eos_id=_first(cfg.get("eos_token_id")),
         )
 
@@ -71,13 +71,14 @@ class MambaSpec:
 def _intermediate(cfg: dict, hidden: int) -> int:
     # HF recomputes intermediate_size = int(expand * hidden_size) and ignores a stored value;
     # a config where the two disagree is ambiguous, so it is refused rather than guessed.
-    inter = cfg.get("intermediate_size")
+    inter = count_field(cfg, "intermediate_size") if cfg.get("intermediate_size") is not None else None
     if "expand" in cfg or inter is None:
-        from_expand = int(cfg.get("expand", 2) * hidden)
-        if inter is not None and int(inter) != from_expand:
+        from_expand = count_field({"expand * hidden_size": int(min(number_field(cfg, "expand", 2) * hidden, 2**62))},
+                                  "expand * hidden_size")
+        if inter is not None and inter != from_expand:
             raise ValueError(f"unsupported config: intermediate_size={inter} disagrees with expand*hidden_size={from_expand}")
         return from_expand
-    return int(inter)
+    return inter
 
 
 def _refuse_unsupported(cfg: dict) -> None:
@@ -87,11 +88,10 @@ def _refuse_unsupported(cfg: dict) -> None:
     if cfg.get("rms_norm") is False:  # mamba_ssm-style configs: LayerNorm instead of RMSNorm
         raise ValueError("unsupported config field rms_norm=False (only RMSNorm)")
     ssm = cfg.get("ssm_cfg") or {}
+    if not isinstance(ssm, dict):
+        raise ValueError(f"config.json field ssm_cfg must be an object, got {type(ssm).__name__}")
     if ssm.get("layer", "Mamba1") != "Mamba1":
         raise ValueError(f"unsupported config field ssm_cfg.layer={ssm['layer']!r} (only Mamba1)")
-    for key in ("state_size", "num_hidden_layers", "vocab_size", "hidden_size"):
-        if key in cfg and int(cfg[key]) < 1:
-            raise ValueError(f"unsupported config field {key}={cfg[key]} (must be >= 1)")
 
 
 def _first(x):

@@ -63,17 +63,20 @@ class ModelSpec:
         if arch not in DECODER_ARCHS:
             raise ValueError(f"unsupported architecture model_type={arch!r}; lorac supports {', '.join(DECODER_ARCHS)}")
         _refuse_unsupported(cfg, arch)
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = cfg.get("head_dim") or hidden // heads
+        hidden, heads = count_field(cfg, "hidden_size"), count_field(cfg, "num_attention_heads")
+        kv = count_field(cfg, "num_key_value_heads", heads) if cfg.get("num_key_value_heads") is not None else heads
+        head_dim = count_field(cfg, "head_dim") if cfg.get("head_dim") is not None else hidden // heads
+        if head_dim < 1:
+            raise ValueError(f"config.json: hidden_size={hidden} is smaller than num_attention_heads={heads}")
         if heads % kv:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
         bias = bool(cfg.get("attention_bias", False))
         return cls(
-            arch=arch, vocab=int(cfg["vocab_size"]), hidden=hidden, layers=int(cfg["num_hidden_layers"]),
-            heads=heads, kv_heads=kv, head_dim=int(head_dim), intermediate=int(cfg["intermediate_size"]),
-            rope_theta=float(_rope_theta(cfg)), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            arch=arch, vocab=count_field(cfg, "vocab_size"), hidden=hidden, layers=count_field(cfg, "num_hidden_layers"),
+            heads=heads, kv_heads=kv, head_dim=head_dim, intermediate=count_field(cfg, "intermediate_size"),
+            rope_theta=_rope_theta(cfg),
+            rms_eps=number_field(cfg, "rms_norm_eps", 1e-6),
             tied=bool(cfg.get("tie_word_embeddings", arch != "llama" and arch != "mistral")),
             qkv_bias=arch == "qwen2" or bias, o_bias=bias and arch != "qwen2", qk_norm=arch == "qwen3",
             sliding_window=int(window) if window else None,
@@ -85,10 +88,28 @@ def _first(x):
     return x[0] if isinstance(x, (list, tuple)) and x else x
 
 
+def count_field(cfg: dict, key: str, default=None) -> int:
+    """A positive integer field of config.json; missing or anything else: a ValueError naming it."""
+    v = cfg.get(key, default)
+    if v is None:
+        raise ValueError(f"config.json has no {key}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"config.json field {key}={v!r} must be a positive integer")
+    return v
+
+
+def number_field(cfg: dict, key: str, default=None) -> float:
+    """A finite positive number field of config.json."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"config.json field {key}={v!r} must be a positive number")
+    return float(v)
+
+
 def _rope_theta(cfg: dict) -> float:
     # transformers 5 moved rope settings into `rope_parameters`; 4.x kept `rope_theta`
     params = cfg.get("rope_parameters") or {}
-    return params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return number_field(params if "rope_theta" in params else cfg, "rope_theta", 10000.0)
 
 
 def _refuse_unsupported(cfg: dict, arch: str) -> None:
@@ -97,6 +118,8 @@ def _refuse_unsupported(cfg: dict, arch: str) -> None:
         raise ValueError(f"unsupported config field hidden_act={act!r} (only 'silu' / SwiGLU)")
     for key in ("rope_scaling", "rope_parameters"):
         rs = cfg.get(key) or {}
+        if not isinstance(rs, dict):
+            raise ValueError(f"config.json field {key} must be an object, got {type(rs).__name__}")
         kind = rs.get("rope_type", rs.get("type", "default"))
         if kind != "default":
             raise ValueError(f"unsupported config field {key}: rope_type={kind!r} (only plain RoPE)")
@@ -107,6 +130,8 @@ def _refuse_unsupported(cfg: dict, arch: str) -> None:
     if arch == "qwen3" and cfg.get("attention_bias"):
         raise ValueError("unsupported config field attention_bias=True for qwen3")
     layer_types = cfg.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise ValueError(f"config.json field layer_types must be a list, got {type(layer_types).__name__}")
     if layer_types and any(t != "full_attention" for t in layer_types) and cfg.get("use_sliding_window"):
         raise ValueError("unsupported config field layer_types: sliding-window layers are not implemented")
 

@@ -8,32 +8,19 @@ Needs only `tvm` importable in runtime-only mode (no libtvm_compiler, no torch):
 library is loaded with tvm.runtime.load_module and driven by the Relax VM. The GEMMs the
 compiler left as calls are registered here (runtime/gemm.py). Inputs and outputs use
 the ONNX graph's names (the frontend renamed dotted names; the manifest maps them back).
-Every mismatch between the artifact and the call raises one LoracError naming it.
+Every mismatch between the artifact and the call raises one LoracError naming it, and an
+artifact whose files do not match its sealed manifest is never loaded (artifact_cache.py).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from .artifact_cache import load_library_bytes, read_manifest, verify
 from .errors import LoracError
 
 DEVICES = ("cpu", "cuda")
-FORMAT = "lorac-artifact"
-
-
-def read_manifest(art_dir) -> dict:
-    path = Path(art_dir) / "manifest.json"
-    if not path.is_file():
-        raise LoracError(f"{art_dir} is not a lorac artifact: no manifest.json")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LoracError(f"{path}: broken manifest ({e})") from None
-    if m.get("format") != FORMAT:
-        raise LoracError(f"{path}: not a lorac artifact manifest (format {m.get('format')!r})")
-    return m
 
 
 def _np_dtype(name: str):
@@ -160,13 +147,13 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
         raise LoracError(f"unknown device {device!r}: lorac artifacts run on {', '.join(DEVICES)}")
     art_dir = Path(art_dir)
     m = read_manifest(art_dir)
+    # an artifact is code: every file is checked against the sealed manifest before any of it
+    # runs, and the library is loaded from the very bytes that were checked (artifact_cache.py)
+    lib_bytes = verify(art_dir, m, read=m.get("library"))
     target = m.get("target", {})
     if target.get("device") != device:
         raise LoracError(f"{art_dir} was compiled for target {target.get('family')} "
                          f"(runs on {target.get('device')}), not for device {device}")
-    lib_path = art_dir / m.get("library", "")
-    if not lib_path.is_file():
-        raise LoracError(f"{art_dir}: library {m.get('library')!r} named in the manifest is missing")
 
     import tvm
     from tvm.runtime import vm as tvm_vm
@@ -185,6 +172,6 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
     if m.get("unit_calls") and device == "cuda":  # fused attention on cuDNN: plans built now
         from . import attention_cuda
         attention_cuda.prepare(m, dev)
-    lib = tvm.runtime.load_module(str(lib_path))
+    lib = load_library_bytes(lib_bytes, tvm.runtime.load_module)
     vm = tvm_vm.VirtualMachine(lib, dev)
     return Step(vm, m, dev, device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -20,7 +21,7 @@ TRAIN_HELP = {
     "data": "training data: .txt, or .jsonl with text / prompt+completion / chat messages "
             "(default: the bundled Jargon File Q&A corpus)",
     "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
-    "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/",
+    "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
     "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
@@ -73,25 +74,51 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
             values = {k.replace("-", "_"): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
         except FileNotFoundError:
             raise LoracError(f"config file not found: {args.config}") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise LoracError(f"{args.config}: not valid TOML ({e})") from None
-        known = {f.name for f in fields(TrainConfig)}
+        known = {f.name for f in fields(TrainConfig)} - {"extra"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise LoracError(f"{args.config}: unknown setting(s) {', '.join(unknown)}")
+        _check_types(values, args.config)
     for f in fields(TrainConfig):
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
     if isinstance(values.get("targets"), str):
         values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
+    elif isinstance(values.get("targets"), list):
+        values["targets"] = tuple(values["targets"])
     return TrainConfig(**values)
 
 
+def _check_types(values: dict, where: str) -> None:
+    """Each TOML value of the type its flag takes (targets: a string or a list of strings)."""
+    defaults = TrainConfig()
+    for key, v in values.items():
+        d = getattr(defaults, key)
+        if key == "targets":
+            ok, kind = isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v)), \
+                "a string or a list of strings"
+        elif isinstance(d, bool):
+            ok, kind = isinstance(v, bool), "true or false"
+        elif isinstance(d, (int, float)):
+            want = int if isinstance(d, int) else (int, float)
+            ok, kind = isinstance(v, want) and not isinstance(v, bool), "an integer" if want is int else "a number"
+        else:
+            ok, kind = isinstance(v, str), "a string"
+        if not ok:
+            raise LoracError(f"{where}: {key} = {v!r} must be {kind}")
+
+
 def cmd_train(args) -> int:
+    import signal
+
     from .train import train
     summary = train(train_config(args))
     print(json.dumps(summary, indent=1))
+    if summary.get("interrupted"):  # a checkpoint was saved; the exit status says the run is not done
+        return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
     return 0
 
 
@@ -110,6 +137,10 @@ def _engine_from_checkpoint(args):
     config, weights, tok = source.load()
     spec = ModelSpec.from_hf_config(config)
     seq = args.seq or tcfg.get("seq", 128)
+    from . import limits
+    limits.check_context(seq, config, "--seq")
+    if getattr(args, "window", None):
+        limits.check_context(args.window, config, "--window")
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
                       lora_targets=tuple(tcfg.get("targets") or spec.targets), rank=tcfg.get("rank", 1),
@@ -153,6 +184,8 @@ def cmd_export(args) -> int:
     alpha, rslora = tcfg.get("alpha"), tcfg.get("rslora", False)
     config = ck.state.get("model_config", {})
     source = resolve_model(args.model or tcfg.get("model"))
+    from .export_output import check_destination
+    check_destination(args.out, [source.path, ck.path, args.checkpoint])  # never over what it reads
     if args.format == "peft":
         path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
                                   base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"),
@@ -207,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "PEFT directory, merged HF model, or GGUF LoRA adapter for llama.cpp.")
     q.add_argument("--checkpoint", required=True, help="checkpoint directory (or OUT/checkpoints)")
     q.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft")
-    q.add_argument("--out", required=True, help="output directory (peft, merged) or .gguf file (gguf)")
+    q.add_argument("--out", required=True, help="output directory (peft, merged) or .gguf file (gguf); never the base "
+                   "model or the checkpoint; an existing directory is replaced only when it holds a previous export")
     q.add_argument("--model", help="base model (merged needs its HF directory; default: the checkpoint's)")
     q.set_defaults(func=cmd_export)
     return ap
@@ -227,18 +261,56 @@ def main(argv=None) -> int:
     return _guard(lambda: args.func(args))
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP outside the training loop (which saves a checkpoint on them itself)."""
+
+
+def _terminate(signum, _frame):
+    raise Terminated(signum)
+
+
 def _guard(fn) -> int:
+    """Run a command: every failure ends as one line on stderr and a nonzero status."""
+    import signal
+    # SIGTERM/SIGHUP unwind (temp files go, locks are released) instead of dying mid-write
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(fn)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(fn) -> int:
+    import signal
     try:
         return fn()
     except LoracError as e:
         print(f"lorac: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # spec validation (lorac.graphs) raises plain ValueErrors with one line
-        print(f"lorac: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"lorac: error: {_first_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, permission denied, a path that is a folder, ...
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"lorac: error: {where}{e.strerror or _first_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lorac: interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"lorac: terminated by {signal.Signals(e.args[0]).name}", file=sys.stderr)
+        return 128 + e.args[0]
+    except Exception as e:  # a bug: still one line, the traceback on request
+        if os.environ.get("LORAC_TRACEBACK"):
+            raise
+        print(f"lorac: internal error: {type(e).__name__}: {_first_line(e)} (a bug in lorac; set LORAC_TRACEBACK=1 "
+              "to see where)", file=sys.stderr)
+        return 1
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def console() -> None:

@@ -25,11 +25,14 @@ numpy's default_rng([seed, epoch]); the iterator's whole state is {epoch, index,
 so a checkpoint resumes the exact batch sequence.
 """
 
+import glob
+import hashlib
 import json
 import math
 import os
 import shutil
 import tempfile
+import time
 import weakref
 
 import numpy as np
@@ -39,6 +42,11 @@ from .errors import LoracError
 IGNORE = -100           # HF's label for "no loss here"
 CHUNK_DOCS = 256        # documents tokenized per encode_batch call
 MAX_PARAGRAPH = 1 << 16  # chars: a plain-text paragraph longer than this is cut at a line end
+MAX_PIECE = 1 << 16     # chars: a longer document is tokenized in pieces of at most this
+ENCODE_CHARS = 1 << 18  # chars per encode_batch call at the most (pieces of one chunk)
+MAX_LINE = 1 << 24      # chars: a longer JSONL line (one record) is refused, never read whole
+TEMP_PREFIX = "lorac-data-"
+UNLOCKED_AGE = 86400    # s: a temp folder without a lock file older than this is removed
 
 
 # ---------------------------------------------------------------- reading
@@ -63,7 +71,10 @@ def read_records(path):
 
 def _read_jsonl(path):
     with open(path, encoding="utf-8", errors="strict") as f:
-        for lineno, line in enumerate(_lines(f, path), 1):
+        for lineno, line in enumerate(_lines(f, path, MAX_LINE + 1), 1):
+            if len(line) > MAX_LINE:
+                raise LoracError(f"{path}:{lineno}: line longer than {MAX_LINE >> 20} M characters; "
+                                 "split the document into several records (or use a plain-text file)")
             if not line.strip():
                 continue
             try:
@@ -78,8 +89,10 @@ def _read_jsonl(path):
 def _read_text(path):
     with open(path, encoding="utf-8", errors="strict") as f:
         para, size, start, cont = [], 0, 1, False
-        for lineno, line in enumerate(_lines(f, path), 1):
-            if not line.strip():
+        # read in parts of at most MAX_PARAGRAPH chars, so one endless line is cut like a paragraph;
+        # a part cut from the middle of a line is never a blank line
+        for lineno, line in enumerate(_lines(f, path, MAX_PARAGRAPH), 1):
+            if not line.strip() and (line.endswith("\n") or not para):
                 if para:
                     yield start, {"text": "".join(para).rstrip("\n"), "eos": True, "bos": not cont}
                 para, size, cont = [], 0, False
@@ -95,9 +108,10 @@ def _read_text(path):
             yield start, {"text": "".join(para).rstrip("\n"), "eos": True, "bos": not cont}
 
 
-def _lines(f, path):
+def _lines(f, path, limit):
+    """The lines of text file f, each cut into parts of at most `limit` chars."""
     try:
-        yield from f
+        yield from iter(lambda: f.readline(limit), "")
     except UnicodeDecodeError as e:
         raise LoracError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a read block)") from None
 
@@ -113,7 +127,10 @@ def document_pieces(record, tokenizer, where):
             raise LoracError(f"{where}: \"messages\" must be a list of {{role, content}} objects")
         if not any(m["role"] == "assistant" for m in messages):
             raise LoracError(f"{where}: conversation has no assistant turn to learn from")
-        text, spans = tokenizer.chat_spans(messages)
+        try:
+            text, spans = tokenizer.chat_spans(messages)
+        except LoracError as e:
+            raise LoracError(f"{where}: {e}") from None
         return text, spans, True, False  # the template writes BOS itself if the model wants it
     if "prompt" in record or "completion" in record:
         prompt, completion = record.get("prompt"), record.get("completion")
@@ -129,36 +146,69 @@ def document_pieces(record, tokenizer, where):
 
 
 def tokenize_chunk(chunk, tokenizer, vocab_size, path):
-    """[(lineno, record)] -> [(ids int32, mask uint8)], one per document.
-
-    A token counts when any of its characters lies in a counted span: with a prompt that
-    ends in a blank ("Q: ") the first answer token carries that blank ("Ġanswer"), and it
-    is the answer's first word, so it must count.
-    """
+    """[(lineno, record)] -> [(ids int32, mask uint8)], one per document."""
     pieces = [document_pieces(r, tokenizer, f"{path}:{n}") for n, r in chunk]
-    encodings = tokenizer.encode_batch([p[0] for p in pieces])
     out = []
-    for (lineno, _), (text, spans, eos, bos), enc in zip(chunk, pieces, encodings):
-        ids = np.asarray(enc.ids, dtype=np.int64)
-        if spans == [(0, len(text))]:  # plain text: everything counts, offsets not needed
-            mask = np.ones(len(ids), dtype=np.uint8)
-        else:
-            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-            counted = np.zeros(len(ids), dtype=bool)
-            for s, e in spans:
-                counted |= (offsets[:, 1] > s) & (offsets[:, 0] < e)
-            mask = counted.astype(np.uint8)
+    for (lineno, _), (text, spans, eos, bos), (ids, mask) in zip(chunk, pieces, encode_masked(tokenizer, pieces)):
         if bos and tokenizer.add_bos:
-            ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int64), ids])
+            ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int32), ids])
             mask = np.concatenate([np.zeros(1, np.uint8), mask])
         # a chat rendering ending "<eos>\n" already separates: no second EOS
         if eos and tokenizer.eos_id not in ids[-2:].tolist():
-            ids = np.concatenate([ids, np.asarray([tokenizer.eos_id], np.int64)])
+            ids = np.concatenate([ids, np.asarray([tokenizer.eos_id], np.int32)])
             mask = np.concatenate([mask, np.ones(1, np.uint8)])
         if len(ids) and ids.max() >= vocab_size:
             raise LoracError(f"{path}:{lineno}: token id {int(ids.max())} >= the model's vocab size "
                              f"{vocab_size} (tokenizer and model do not match)")
-        out.append((ids.astype(np.int32), mask))
+        out.append((ids, mask))
+    return out
+
+
+def encode_masked(tokenizer, pieces):
+    """[(text, spans, ...)] -> [(ids int32, mask uint8)]: a token counts when any of its
+    characters lies in a counted span (with a prompt ending in a blank, "Q: ", the first answer
+    token carries that blank, "Ġanswer", and is the answer's first word, so it counts).
+
+    A text over MAX_PIECE chars is encoded in pieces cut at a line end or before a blank
+    (cut_points), at most ENCODE_CHARS chars per encode_batch call, and each piece becomes
+    ids and mask at once: the tokenizer's memory grows far faster than one long string (a 5 MB
+    line took 2 GB whole). Tokens at a cut may differ from those of a whole encode."""
+    jobs = [(d, a, b) for d, p in enumerate(pieces) for a, b in cut_points(p[0])]
+    parts = [[] for _ in pieces]
+    group, size = [], 0
+    for k, job in enumerate(jobs):
+        group.append(job)
+        size += job[2] - job[1]
+        if size < ENCODE_CHARS and k < len(jobs) - 1:
+            continue
+        for (d, a, b), enc in zip(group, tokenizer.encode_batch([pieces[d][0][a:b] for d, a, b in group])):
+            text, spans = pieces[d][0], pieces[d][1]
+            ids = np.asarray(enc.ids, np.int32)
+            if spans == [(0, len(text))]:  # everything counts: offsets not needed
+                mask = np.ones(len(ids), np.uint8)
+            else:
+                offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2) + a
+                counted = np.zeros(len(ids), dtype=bool)
+                for s, e in spans:
+                    counted |= (offsets[:, 1] > s) & (offsets[:, 0] < e)
+                mask = counted.astype(np.uint8)
+            parts[d].append((ids, mask))
+        group, size = [], 0
+    return [(np.concatenate([i for i, _ in p]), np.concatenate([m for _, m in p])) for p in parts]
+
+
+def cut_points(text):
+    """[(start, end)] pieces of at most MAX_PIECE chars covering `text`; each cut falls after
+    the last newline, else before the last blank, of the piece's second half."""
+    out, a, n = [], 0, len(text)
+    while n - a > MAX_PIECE:
+        b = a + MAX_PIECE
+        nl = text.rfind("\n", a + MAX_PIECE // 2, b)
+        sp = text.rfind(" ", a + MAX_PIECE // 2, b)
+        b = nl + 1 if nl >= 0 else (sp if sp > a else b)
+        out.append((a, b))
+        a = b
+    out.append((a, n))
     return out
 
 
@@ -178,6 +228,7 @@ class TokenStore:
         self.n_tokens = self.n_counted = self.n_docs = 0
         self.ids = self.mask = None
         self._buf, self._buffered = [], 0
+        self._sha_ids, self._sha_mask = hashlib.sha256(), hashlib.sha256()
 
     def append(self, ids, mask):
         assert ids.dtype == np.int32 and mask.dtype == np.uint8, "the files hold int32 ids, uint8 mask"
@@ -191,8 +242,11 @@ class TokenStore:
 
     def _flush(self):
         if self._buf:
-            np.concatenate([i for i, _ in self._buf]).tofile(self._ids)
-            np.concatenate([m for _, m in self._buf]).tofile(self._mask)
+            ids, mask = np.concatenate([i for i, _ in self._buf]), np.concatenate([m for _, m in self._buf])
+            ids.tofile(self._ids)
+            mask.tofile(self._mask)
+            self._sha_ids.update(ids)  # the arrays' own buffers: no copies
+            self._sha_mask.update(mask)
         self._buf, self._buffered = [], 0
 
     def close(self):
@@ -210,6 +264,25 @@ class TokenStore:
     def n_rows(self, seq):
         return math.ceil(self.n_tokens / seq)
 
+    @property
+    def digest(self) -> str:
+        """sha256 of the stream (its ids and its mask), known once closed."""
+        return hashlib.sha256(self._sha_ids.digest() + self._sha_mask.digest()).hexdigest()
+
+    def answer_rows(self, seq):
+        """Numbers of the rows with at least one label the loss sees: the graph predicts token
+        t+1 from t, so a counted token in a row's first position is never a target. Read in
+        blocks of rows from the memory-mapped mask."""
+        full, found = self.n_tokens // seq, []
+        block = max(1, (1 << 20) // seq)
+        for a in range(0, full, block):
+            b = min(full, a + block)
+            rows = np.asarray(self.mask[a * seq:b * seq]).reshape(b - a, seq)
+            found.append(a + np.flatnonzero(rows[:, 1:].max(axis=1)))  # max: no bool copy of the block
+        if self.n_tokens > full * seq and np.asarray(self.mask[full * seq + 1:]).any():
+            found.append(np.asarray([full]))
+        return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
     def rows(self, index, seq, pad_id):
         """Rows `index` (array of row numbers) -> (input_ids, labels), int64 [len(index), seq]."""
         ids = np.full((len(index), seq), pad_id, dtype=np.int64)
@@ -224,17 +297,27 @@ class TokenStore:
 # ---------------------------------------------------------------- the dataset
 
 class PackedData:
-    """A tokenized, packed dataset: `.train` and `.eval` TokenStores, `.seq`, `.pad_id`."""
+    """A tokenized, packed dataset: `.train` and `.eval` TokenStores, `.seq`, `.pad_id`.
 
-    def __init__(self, train, eval_, seq, pad_id, folder, owns_folder):
+    Rows in which no label counts (a long prompt filling a whole row, say) would make a step
+    that learns nothing and an eval loss of 0: they are left out of both (`train_rows`,
+    `eval_rows`: the row numbers used) and counted in describe()."""
+
+    def __init__(self, train, eval_, seq, pad_id, folder, owns_folder, lock=None):
         self.train, self.eval, self.seq, self.pad_id = train, eval_, seq, pad_id
         self.folder = folder
-        if owns_folder:  # a temporary cache goes when the dataset does
-            self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
+        if owns_folder:  # a temporary cache goes when the dataset does (and its lock with it)
+            self._cleanup = weakref.finalize(self, _remove_temp, folder, lock)
+        self.train_rows, self.eval_rows = train.answer_rows(seq), eval_.answer_rows(seq)
 
     @property
     def n_train_rows(self):
-        return self.train.n_rows(self.seq)
+        return len(self.train_rows)
+
+    @property
+    def digest(self) -> str:
+        """Identity of the training stream (what --resume must find again)."""
+        return self.train.digest
 
     def batches(self, batch, seed=0, state=None):
         """An endless, resumable iterator of training batches (see BatchIterator)."""
@@ -243,9 +326,9 @@ class PackedData:
     def eval_batches(self, batch):
         """The eval rows in order, in batches of `batch`; the last is padded with rows that
         count nothing (labels all -100)."""
-        n = self.eval.n_rows(self.seq)
+        n = len(self.eval_rows)
         for start in range(0, n, batch):
-            index = np.arange(start, min(start + batch, n))
+            index = self.eval_rows[start:start + batch]
             ids, labels = self.eval.rows(index, self.seq, self.pad_id)
             if len(index) < batch:
                 fill = batch - len(index)
@@ -256,8 +339,10 @@ class PackedData:
     def describe(self):
         return {"train_docs": self.train.n_docs, "train_tokens": self.train.n_tokens,
                 "train_counted": self.train.n_counted, "train_rows": self.n_train_rows,
+                "train_rows_without_answer": self.train.n_rows(self.seq) - self.n_train_rows,
                 "eval_docs": self.eval.n_docs, "eval_tokens": self.eval.n_tokens,
-                "eval_counted": self.eval.n_counted, "eval_rows": self.eval.n_rows(self.seq)}
+                "eval_counted": self.eval.n_counted, "eval_rows": len(self.eval_rows),
+                "eval_rows_without_answer": self.eval.n_rows(self.seq) - len(self.eval_rows)}
 
 
 class BatchIterator:
@@ -298,7 +383,7 @@ class BatchIterator:
             self.index += len(take)
             if self.index >= self.n:
                 self.epoch, self.index = self.epoch + 1, 0
-        ids, labels = self.data.train.rows(np.asarray(rows), self.data.seq, self.data.pad_id)
+        ids, labels = self.data.train.rows(self.data.train_rows[rows], self.data.seq, self.data.pad_id)
         return {"input_ids": ids, "labels": labels}
 
 
@@ -317,18 +402,61 @@ def load_dataset(path, tokenizer, seq, vocab_size, eval_fraction=0.05, eval_path
     if seq < 2:
         raise LoracError(f"sequence length must be at least 2, got {seq}")
     owns = cache_dir is None
-    folder = tempfile.mkdtemp(prefix="lorac-data-") if owns else cache_dir
+    folder, lock = _temp_folder() if owns else (cache_dir, None)
     os.makedirs(folder, exist_ok=True)
     train, eval_ = TokenStore(folder, "train"), TokenStore(folder, "eval")
     try:
         _fill(path, eval_path, eval_fraction, tokenizer, vocab_size, chunk_docs, train, eval_)
+        data = PackedData(train, eval_, int(seq), tokenizer.eos_id, folder, owns, lock)
+        _check_rows(data, path, eval_path if eval_path is not None else path if eval_fraction > 0 else None)
     except BaseException:
         train.close()
         eval_.close()
         if owns:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove_temp(folder, lock)
         raise
-    return PackedData(train, eval_, int(seq), tokenizer.eos_id, folder, owns)
+    return data
+
+
+def _check_rows(data, path, eval_path):
+    """Refuse a split none of whose rows has a label the loss sees (module doc of PackedData)."""
+    why = (f"rows of {data.seq} tokens in which no answer token follows the row's first position "
+           "(prompts longer than the sequence length?); raise --seq or shorten the prompts")
+    if data.n_train_rows == 0:
+        raise LoracError(f"{path}: all {data.train.n_rows(data.seq)} training rows were dropped: {why}")
+    if eval_path is not None and data.eval.n_tokens and len(data.eval_rows) == 0:
+        raise LoracError(f"{eval_path}: all {data.eval.n_rows(data.seq)} eval rows were dropped: {why}")
+
+
+# ---------------------------------------------------------------- temporary folders
+
+def _temp_folder():
+    """(folder, lock): a fresh lorac-data-* folder in the temp dir, locked while in use. Folders
+    whose lock is free are removed first: their process died (kill -9, a crash). A new folder
+    is locked before it appears under that name, so a live one is never taken for dead."""
+    from . import locks
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), glob.escape(TEMP_PREFIX) + "*")):
+        try:
+            if not os.path.exists(os.path.join(old, ".lock")):  # made by a lorac without these locks:
+                if time.time() - os.path.getmtime(old) > UNLOCKED_AGE:  # surely dead after a day
+                    shutil.rmtree(old, ignore_errors=True)
+                continue
+            lock = locks.acquire(os.path.join(old, ".lock"), wait=False)
+        except OSError:  # another user's folder, or gone meanwhile
+            continue
+        if lock is not None:
+            _remove_temp(old, lock)
+    staging = tempfile.mkdtemp(prefix="." + TEMP_PREFIX)
+    lock = locks.acquire(os.path.join(staging, ".lock"))
+    folder = os.path.join(os.path.dirname(staging), os.path.basename(staging)[1:])
+    os.rename(staging, folder)
+    return folder, lock
+
+
+def _remove_temp(folder, lock):
+    shutil.rmtree(folder, ignore_errors=True)
+    if lock is not None:
+        lock.release()
 
 
 def _fill(path, eval_path, eval_fraction, tokenizer, vocab_size, chunk_docs, train, eval_):

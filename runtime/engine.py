@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import artifact_cache
 from .artifact import load_artifact
 from .errors import LoracError
 
@@ -53,17 +54,30 @@ def graph_key(kind: str, *parts) -> str:
 
 def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None, cuda_graph: bool = False):
     """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss.
-    cuda_graph: build with CUDA graphs (inputs bound: compiler/target_cuda.binds_inputs)."""
+    An entry that fails verification (artifact_cache.py) is rebuilt; one builder per entry at a
+    time (others wait for it and then find it built). cuda_graph: build with CUDA graphs
+    (inputs bound: compiler/target_cuda.binds_inputs)."""
     art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}-{key[:16]}"
-    if (art / "manifest.json").is_file():
+    if artifact_cache.problem(art) is None:
         return art
-    from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
-    t0 = time.perf_counter()
-    model = build()
-    if log:
+    log = log or (lambda msg: None)
+    with artifact_cache.build_lock(art, log):
+        bad = artifact_cache.problem(art)  # built by the process we waited for?
+        if bad is None:
+            return art
+        if bad != "missing":
+            log(f"cache entry {art.name} is unusable ({bad}); rebuilding it")
+        try:
+            from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
+        except ImportError as e:
+            why = "is missing" if bad == "missing" else f"is unusable ({bad})"
+            raise LoracError(f"cache entry {art} {why}, and this machine cannot compile it "
+                             f"({e}); compile it where lorac's compile extra is installed") from None
+        t0 = time.perf_counter()
+        model = build()
         log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes) ...")
-    compile_graph(model, target={"kind": target, "cuda_graph": True} if cuda_graph else target, out_dir=art, dtype=dtype)
-    if log:
+        compile_graph(model, target={"kind": target, "cuda_graph": True} if cuda_graph else target, out_dir=art,
+                      dtype=dtype, force=True)
         log(f"compiled the {kind} graph in {time.perf_counter() - t0:.1f} s -> {art}")
     return art
 

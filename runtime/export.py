@@ -25,6 +25,7 @@ from lorac.graphs import spec as decoder_spec
 from lorac.graphs.mamba_spec import MAMBA_TARGETS
 
 from .errors import LoracError
+from .export_output import staged
 
 _NAME = re.compile(r"^base_model\.model\.(model|backbone)\.layers\.(\d+)\.(self_attn|mlp|mixer)\.(\w+)\.lora_(A|B)\.weight$")
 PARENT = {t: ("self_attn" if t in decoder_spec.ATTN_TARGETS else "mlp") for t in decoder_spec.ALL_TARGETS}
@@ -48,6 +49,9 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "qwen3": "Qwen3ForCausalLM"}  # for configs without "architectures"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+# what each export writes: an existing --out holding only these is a previous export, replaced whole
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+MERGED_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json") + TOKENIZER_FILES
 
 
 # -- names and pairs -----------------------------------------------------------------------
@@ -71,6 +75,10 @@ def lora_pairs(lora: dict[str, np.ndarray]) -> dict[tuple[int, str], tuple[np.nd
         a, b = ab["A"], ab["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise LoracError(f"LoRA layer {key[0]} {key[1]}: shapes A{a.shape} B{b.shape} do not chain (A [r,in], B [out,r])")
+        for ab_name, t in (("A", a), ("B", b)):
+            if t.dtype.kind != "f" or not np.isfinite(t).all():
+                raise LoracError(f"LoRA layer {key[0]} {key[1]}: lora_{ab_name} holds NaN or infinite values; "
+                                 "nothing exported (the checkpoint is damaged or training diverged)")
         out[key] = (a, b)
     if not out:
         raise LoracError("no LoRA tensors to export")
@@ -132,15 +140,14 @@ def export_peft(out_dir, lora: dict[str, np.ndarray], *, alpha: float, use_rslor
         "layers_to_transform": layers if partial else None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {}
     for (layer, t), (a, b) in pairs.items():  # PEFT's saved keys drop the adapter name ("default")
         tensors[lora_name(layer, t, "A")] = np.ascontiguousarray(a, dtype=np.float32)
         tensors[lora_name(layer, t, "B")] = np.ascontiguousarray(b, dtype=np.float32)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    return out
+    with staged(out_dir, "dir", PEFT_FILES) as out:
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return Path(out_dir)
 
 
 # -- (b) merged model ----------------------------------------------------------------------
@@ -188,7 +195,12 @@ def export_merged(out_dir, model_dir, lora: dict[str, np.ndarray], *, alpha: flo
     if dtype not in (None, "float32"):
         raise LoracError(f"merged export dtype must be None (source) or 'float32', got {dtype!r}")
     pairs = lora_pairs(lora)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged(out, "dir", MERGED_FILES) as tmp:
+        _write_merged(tmp, model_dir, pairs, alpha, use_rslora, dtype)
+    return out
+
+
+def _write_merged(out: Path, model_dir: Path, pairs: dict, alpha: float, use_rslora: bool, dtype) -> None:
     done = set()
     for fname in _model_files(model_dir):
         try:
@@ -215,7 +227,6 @@ def export_merged(out_dir, model_dir, lora: dict[str, np.ndarray], *, alpha: flo
     for extra in ("model.safetensors.index.json",) + TOKENIZER_FILES:
         if (model_dir / extra).exists():
             shutil.copyfile(model_dir / extra, out / extra)
-    return out
 
 
 def export_merged_weights(out_dir, weights: dict[str, np.ndarray], config: dict, lora: dict[str, np.ndarray], *,
@@ -226,19 +237,18 @@ def export_merged_weights(out_dir, weights: dict[str, np.ndarray], config: dict,
     tokenizer files found in `tokenizer_dir`, if given. A tied lm_head is left out, as
     transformers' save_pretrained does.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     merged = merge_lora(weights, lora, alpha=alpha, use_rslora=use_rslora)
     if config.get("tie_word_embeddings") and "lm_head.weight" in merged:
         merged = {k: x for k, x in merged.items() if k != "lm_head.weight"}
-    save_file({k: np.ascontiguousarray(x) for k, x in merged.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if tokenizer_dir is not None:
-        for extra in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / extra).exists():
-                shutil.copyfile(Path(tokenizer_dir) / extra, out / extra)
-    return out
+    with staged(out_dir, "dir", MERGED_FILES) as out:
+        save_file({k: np.ascontiguousarray(x) for k, x in merged.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            for extra in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / extra).exists():
+                    shutil.copyfile(Path(tokenizer_dir) / extra, out / extra)
+    return Path(out_dir)
 
 
 # -- (c) GGUF LoRA adapter (llama.cpp) -------------------------------------------------------
@@ -278,9 +288,14 @@ def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_co
     n_head = int(model_config["num_attention_heads"])
     n_kv = int(model_config.get("num_key_value_heads") or n_head)
 
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(out_path), arch)
+    with staged(out_path, "file") as tmp:
+        _write_gguf(gguf, tmp, arch, alpha_eff, name, pairs, permute, n_head, n_kv)
+    return Path(out_path)
+
+
+def _write_gguf(gguf, path: Path, arch: str, alpha_eff: float, name: str, pairs: dict, permute: bool,
+                n_head: int, n_kv: int) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_type(gguf.GGUFType.ADAPTER)                       # general.type = "adapter"
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")            # adapter.type = "lora"
     w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha_eff))
@@ -301,4 +316,3 @@ def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_co
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out_path

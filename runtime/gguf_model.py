@@ -87,36 +87,48 @@ def hf_config(meta: dict, tensor_names, path="GGUF file", vocab_len=None) -> dic
     """GGUF metadata -> the config.json dict HF would have for the same model."""
     arch, model_type, _ = architecture(meta, path)
 
-    def need(key):
-        if f"{arch}.{key}" not in meta:
+    def need(key, default=None):
+        """A positive integer metadata value (GGUF stores counts as unsigned ints)."""
+        v = meta.get(f"{arch}.{key}", default)
+        if v is None:
             raise LoracError(f"{path}: GGUF metadata key {arch}.{key} is missing")
-        return meta[f"{arch}.{key}"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LoracError(f"{path}: GGUF metadata {arch}.{key}={v!r} must be a positive integer")
+        return v
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    def num(key, default):
+        v = meta.get(f"{arch}.{key}", default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise LoracError(f"{path}: GGUF metadata {arch}.{key}={v!r} must be a finite number")
+        return float(v)
+
+    hidden = need("embedding_length")
+    heads = need("attention.head_count")
+    kv_heads = need("attention.head_count_kv", heads)
     # key_length is written when head_dim != hidden/heads (Qwen3); else it is implied.
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    head_dim = need("attention.key_length", max(hidden // heads, 1))
     n_vocab = meta.get(f"{arch}.vocab_size")
     if n_vocab is None:  # older files: the vocabulary's length is the vocab size
         n_vocab = vocab_len
     if n_vocab is None:
         raise LoracError(f"{path}: GGUF file states no vocabulary size and has no vocabulary")
+    if not isinstance(n_vocab, int) or isinstance(n_vocab, bool) or n_vocab < 1:
+        raise LoracError(f"{path}: GGUF vocabulary size {n_vocab!r} must be a positive integer")
     config = {
         "model_type": model_type,
         "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
         "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": int(need("feed_forward_length")),
-        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "intermediate_size": need("feed_forward_length"),
+        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", 1e-6),
         # 10000 is llama.cpp's own default when the key is absent
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
-        "vocab_size": int(n_vocab),
+        "rope_theta": num("rope.freq_base", 10000.0),
+        "max_position_embeddings": need("context_length", 2048),
+        "vocab_size": n_vocab,
         "tie_word_embeddings": "output.weight" not in set(tensor_names),
         "hidden_act": "silu",
         "torch_dtype": "float32",

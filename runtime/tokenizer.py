@@ -56,10 +56,12 @@ class Tokenizer:
         if not self.chat_template:
             raise LoracError(f"tokenizer from {self.source or 'this model'} has no chat template; "
                              "chat data needs one (use prompt/completion or text data instead)")
+        from . import chat_template  # sandboxed and bounded in size and time
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token)
+            self._template = chat_template.compile_template(self.chat_template)
+        size = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+        return chat_template.render(self._template, size, messages=messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token)
 
     def chat_spans(self, messages) -> tuple[str, list]:
         """(rendered conversation, [(start, end)] char spans of the assistant turns).
@@ -81,28 +83,6 @@ class Tokenizer:
                                  "assistant turns cannot be located for loss masking")
             spans.append((len(prompt), len(upto)))
         return full, spans
-
-
-def _compile_template(source):
-    """Compile a chat template the way transformers does: sandboxed jinja2, trim_blocks,
-    lstrip_blocks, a `raise_exception` helper and a `tojson` that keeps non-ASCII."""
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        from jinja2 import TemplateError
-    except ImportError:
-        raise LoracError("chat templates need the jinja2 package (pip install jinja2)") from None
-
-    def raise_exception(message):
-        raise LoracError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise LoracError(f"chat template does not compile: {e}") from None
 
 
 def _token_text(value):

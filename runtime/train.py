@@ -129,6 +129,10 @@ class Run:
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing, loss_chunk=loss_chunk, extra=extra)
         self.train_spec.validate(self.spec)
+        from . import limits  # before any compile: an impossible size would only fill memory
+        limits.check_context(cfg.seq, self.model_config, "--seq")
+        limits.check_rank(self.spec, self.train_spec)
+        limits.check_memory(self.spec, self.train_spec, sum(int(w.size) for w in weights.values()), cfg.target)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
                                  eval_path=eval_path)
@@ -143,7 +147,7 @@ class Run:
         self.engine = Engine(self.spec, self.train_spec, weights, cfg.target, cfg.dtype, cfg.cache_dir,
                              self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph)
         del weights  # the device holds them now
-        self.model_hash = _model_hash(self.model_config)
+        self.model_hash = _model_hash(self.model_config, self.source.path)
 
     # -- state ------------------------------------------------------------------------------
     def fresh_state(self):
@@ -153,11 +157,17 @@ class Run:
         return dict(step=0, updates=0, skipped=0, lora=lora, m=zeros, v=dict(zeros), data=None, rng=rng)
 
     def resume_state(self, path):
+        from . import resume
         from .checkpoint import load_checkpoint, rng_from_state
         ck = load_checkpoint(path, model_hash=self.model_hash, graph_hash=self.engine.graph_hash)
         s = ck.state
         if set(ck.lora) != set(self.engine.names):
             raise LoracError(f"checkpoint {ck.path} holds other LoRA tensors than this run trains")
+        lacking = [k for k in ("updates", "skipped", "data", "rng") if k not in s]
+        if lacking:
+            raise LoracError(f"checkpoint {ck.path} cannot be resumed: its state has no {lacking[0]}")
+        resume.check(ck, self.cfg, self.data.digest)
+        self.optim_cfg.total_steps = resume.schedule_steps(ck, self.cfg, self.log)
         return dict(step=ck.step, updates=s["updates"], skipped=s["skipped"], lora=ck.lora, m=ck.m, v=ck.v,
                     data=s["data"], rng=rng_from_state(s["rng"]))
 
@@ -165,8 +175,9 @@ class Run:
         from .checkpoint import rng_state, save_checkpoint
         lora, m, v = self.engine.state_numpy()
         state = dict(updates=st["updates"], skipped=st["skipped"], data=batches.state(), rng=rng_state(st["rng"]),
-                     model_hash=self.model_hash, graph_hash=self.engine.graph_hash,
-                     train_config=_jsonable(asdict(self.cfg)), model_config=self.model_config)
+                     model_hash=self.model_hash, graph_hash=self.engine.graph_hash, data_sha256=self.data.digest,
+                     schedule_steps=self.optim_cfg.total_steps, train_config=_jsonable(asdict(self.cfg)),
+                     model_config=self.model_config)
         return save_checkpoint(Path(self.cfg.out) / "checkpoints", st["step"], lora, m, v, state,
                                keep=self.cfg.keep_checkpoints)
 
@@ -194,12 +205,12 @@ def sample_prompt(cfg: TrainConfig, eval_path) -> str | None:
         return cfg.sample_prompt
     if not eval_path or not str(eval_path).endswith(".jsonl"):
         return None
-    with open(eval_path) as f:
-        rec = json.loads(f.readline() or "{}")
-    if "prompt" in rec:
+    from .data import read_records
+    rec = next((r for _, r in read_records(eval_path)), {})  # the loader's reading: blank lines skipped
+    if isinstance(rec.get("prompt"), str):
         return rec["prompt"]
-    users = [m["content"] for m in rec.get("messages", []) if m.get("role") == "user"]
-    return users[0] if users else None
+    users = [m["content"] for m in rec.get("messages") or [] if isinstance(m, dict) and m.get("role") == "user"]
+    return users[0] if users and isinstance(users[0], str) else None
 
 
 def _sample_ids(run):
@@ -227,9 +238,12 @@ def _window(n_prompt: int, cfg: TrainConfig) -> int:
     return -(-(n_prompt + cfg.sample_tokens) // 32) * 32
 
 
-def _model_hash(config: dict) -> str:
+def _model_hash(config: dict, path) -> str:
+    """The model's identity for --resume: its config and its weights' fingerprint."""
     from .checkpoint import config_hash
-    return config_hash({k: v for k, v in config.items() if not k.startswith("_")})
+    from .weights import fingerprint
+    return config_hash({"config": {k: v for k, v in config.items() if not k.startswith("_")},
+                        "weights": fingerprint(path)})
 
 
 def _jsonable(x):
@@ -247,29 +261,61 @@ def precompile(run: Run) -> dict:
     return {"compiled": arts}
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LOCK_FILE = ".lorac.lock"  # in OUT: held (flock) by the run writing there
+
+
 def train(cfg: TrainConfig, log=None) -> dict:
-    """Run the whole job; returns a summary dict (also written to OUT/summary.json)."""
+    """Run the whole job; returns a summary dict (also written to OUT/summary.json). The output
+    directory is locked for the run: a second run into it fails at once with one line."""
+    cfg.validate()
+    if cfg.compile_only:
+        return precompile(Run(cfg, log))
+    lock = _claim(Path(cfg.out))
+    try:
+        return _train(cfg, log)
+    finally:
+        lock.release()
+
+
+def _claim(out: Path):
+    from . import locks
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LoracError(f"cannot create the output directory {out}: {e.strerror or e}") from None
+    lock = locks.acquire(out / LOCK_FILE, wait=False)
+    if lock is None:
+        raise LoracError(f"{out} is in use by another lorac run (pid {locks.holder(out / LOCK_FILE)}); "
+                         "wait for it to finish or choose another --out")
+    return lock
+
+
+def _train(cfg: TrainConfig, log=None) -> dict:
+    from . import resume
     from .engine import to_numpy
     from .optim import group_lrs
 
     run = Run(cfg, log)
     log = run.log
-    if cfg.compile_only:
-        return precompile(run)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     st = run.resume_state(cfg.resume) if cfg.resume else run.fresh_state()
     batches = run.data.batches(cfg.batch, seed=cfg.seed, state=st["data"])
     eng = run.engine
     eng.set_state(st["lora"], st["m"], st["v"])
+    if cfg.resume:  # steps after the checkpoint are made again: drop their old lines
+        resume.truncate_metrics(out / "metrics.jsonl", st["step"])
     metrics = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
 
     def emit(rec):
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
 
-    stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the step, save, exit
+    # Ctrl-C, SIGTERM, SIGHUP: finish the step, save a checkpoint, exit nonzero. The handlers
+    # stay until the end: a Ctrl-C inside a compiled call would surface as a TVM error from
+    # the GEMM callback rather than as KeyboardInterrupt
+    stop = {"now": False, "signal": None}
+    previous = {sig: signal.signal(sig, lambda n, _f: stop.update(now=True, signal=n)) for sig in STOP_SIGNALS}
     first_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
     if first_eval is not None:
         if not cfg.resume:
@@ -317,12 +363,14 @@ def train(cfg: TrainConfig, log=None) -> dict:
             path = run.save(st, batches)
             log(f"checkpoint: {path}")
     metrics.close()
-    interrupted = st["step"] < cfg.steps  # a Ctrl-C after the last step does not count
+    interrupted = st["step"] < cfg.steps  # a signal after the last step does not count
     final_eval = run.evaluate(eng.lora) if cfg.eval_batches and not interrupted else None
     if final_eval is not None:
         log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
     summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
-                   eval_loss_after=final_eval, interrupted=interrupted, sample_base=base_sample,
+                   eval_loss_after=final_eval, interrupted=interrupted,
+                   stopped_by=signal.Signals(stop["signal"]).name if interrupted and stop["signal"] else None,
+                   sample_base=base_sample,
                    sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
     if not interrupted:
         from .export import PeftRefused, export_peft
@@ -336,7 +384,6 @@ def train(cfg: TrainConfig, log=None) -> dict:
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    # the handler stays until here: a Ctrl-C inside a compiled call would surface as a TVM
-    # error from the GEMM callback rather than as KeyboardInterrupt
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     return summary

@@ -80,7 +80,10 @@ def _check_layout(path, header, data_size):
             dtype, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise LoracError(f"{path}: corrupt safetensors entry for tensor {name}") from None
-        if dtype not in SAFETENSORS_DTYPES:
+        if not isinstance(shape, list) or not all(_count(d) for d in shape) or not (_count(begin) and _count(end)):
+            raise LoracError(f"{path}: corrupt safetensors entry for tensor {name} (shape {shape!r}, offsets "
+                             f"{[begin, end]!r}: non-negative integers expected)")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise LoracError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         itemsize = 2 if dtype == "BF16" else np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
         if not (0 <= begin <= end <= data_size):
@@ -94,6 +97,10 @@ def _check_layout(path, header, data_size):
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise LoracError(f"{path}: corrupt safetensors file (tensors {n0} and {n1} overlap)")
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
 
 
 def load_safetensors(path, dtype=np.float32, names=None) -> dict:
@@ -202,9 +209,46 @@ def check_weights(config, weights, source):
     """Raise a LoracError naming the first tensor the config needs and the weights lack."""
     if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "mamba"):
         return  # a family lorac does not train: ModelSpec refuses it with its own message
+    layers = config.get("num_hidden_layers", 0)
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= len(weights):
+        # (each layer holds at least one tensor: a larger count cannot match these weights)
+        raise LoracError(f"{source}: config num_hidden_layers={layers!r} does not fit the {len(weights)} tensors "
+                         "of the weights (a positive integer expected)")
     missing = [n for n in required_tensors(config) if n not in weights]
     if missing:
         raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+
+
+def weight_files(path) -> list:
+    """The files holding a model's weights: a .gguf file, or an HF directory's safetensors."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return [path]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        return [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+
+
+FINGERPRINT_WINDOWS, FINGERPRINT_BYTES = 17, 1 << 16
+
+
+def fingerprint(path) -> str:
+    """Identity of a model's weights without reading them all: per weight file its size, its
+    first MiB (the header) and 17 windows of 64 KiB spread evenly over it. Two models of one
+    config (a base and its fine-tune) differ in every window, so they never share it."""
+    import hashlib
+    h = hashlib.sha256()
+    for file in weight_files(path):
+        size = os.path.getsize(file)
+        h.update(f"{os.path.basename(file)}:{size}\n".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(1 << 20))
+            for k in range(FINGERPRINT_WINDOWS):
+                f.seek(max(0, (size - FINGERPRINT_BYTES) * k // (FINGERPRINT_WINDOWS - 1)))
+                h.update(f.read(FINGERPRINT_BYTES))
+    return h.hexdigest()
 
 
 def load_model(path, dtype=np.float32) -> tuple[dict, dict]:

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorac.runtime.checkpoint import (config_hash, load_checkpoint, rng_from_state, rng_state,
+from lorac.runtime.checkpoint import (FORMAT, config_hash, load_checkpoint, rng_from_state, rng_state,
                                       save_checkpoint)
 from lorac.runtime.errors import LoracError
+from lorac.runtime.integrity import seal
 
 NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
 
@@ -73,8 +74,8 @@ def test_clear_errors(tmp_path):
     with pytest.raises(LoracError, match="state.json unreadable"):
         load_checkpoint(d)
     (d / "lora.safetensors").unlink()
-    (d / "state.json").write_text(json.dumps({"format": "lorac-checkpoint-1", "step": 1,
-                                              "files": {"lora.safetensors": "0"}}))
+    files = {"lora.safetensors": "0", "optim.safetensors": "0"}
+    (d / "state.json").write_text(json.dumps(seal({"format": FORMAT, "step": 1, "files": files}, "state_sha256")))
     with pytest.raises(LoracError, match="lora.safetensors is missing"):
         load_checkpoint(d)
     (tmp_path / "b").mkdir()
@@ -115,10 +116,16 @@ def _run_child(root: Path, kill_at: int | None) -> list[str]:
     code = CHILD.format(tests=str(Path(__file__).parent))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True, env=env)
+    return _kill_when(proc, lambda seen: kill_at is not None and seen[-1].startswith("PHASE")
+                      and sum(s.startswith("PHASE") for s in seen) > kill_at)
+
+
+def _kill_when(proc, should) -> list[str]:
+    """Read the child's lines; SIGKILL it as soon as should(lines so far) holds."""
     seen = []
     for line in proc.stdout:
         seen.append(line.strip())
-        if kill_at is not None and line.startswith("PHASE") and sum(s.startswith("PHASE") for s in seen) > kill_at:
+        if should(seen):
             os.kill(proc.pid, signal.SIGKILL)
             break
     proc.wait(timeout=30)
@@ -144,3 +151,98 @@ def test_kill_minus_9_during_write_leaves_previous_checkpoint(tmp_path):
         save_checkpoint(root, 3, *tensors(3))
         assert load_checkpoint(root).step == 3
         assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+
+
+def _edit_state(d: Path, edit) -> None:
+    state = json.loads((d / "state.json").read_text())
+    edit(state)
+    (d / "state.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s.update(step=s["step"] + 1),          # a step moved by hand
+    lambda s: s.pop("files"),                        # tensor checks turned off
+    lambda s: s.update(rgn=s.pop("rng")),            # a flipped key
+])
+def test_any_edit_of_state_json_is_refused(tmp_path, edit):
+    rng = np.random.default_rng(0)
+    d = save_checkpoint(tmp_path, 7, *tensors(7), {"rng": rng_state(rng)})
+    _edit_state(d, edit)
+    with pytest.raises(LoracError, match="state.json does not match its checksum") as e:
+        load_checkpoint(d)
+    assert "\n" not in str(e.value)
+
+
+def test_a_resealed_state_is_still_checked_field_by_field(tmp_path):
+    d = save_checkpoint(tmp_path, 7, *tensors(7), {"rng": {"bit_generator": "seed", "state": {}}})
+    with pytest.raises(LoracError, match="bit generator 'seed'"):  # looked up by name on np.random before
+        rng_from_state(load_checkpoint(d).state["rng"])
+    _edit_state(d, lambda s: (s.pop("files"), s.update(seal(s, "state_sha256"))))
+    with pytest.raises(LoracError, match="does not record the checksums"):
+        load_checkpoint(d)
+
+
+def test_pruning_goes_by_step_and_counts_only_complete_checkpoints(tmp_path):
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, *tensors(step), keep=5)
+    # what a kill in the middle of deleting ckpt-10 left (its mtime is now the newest)
+    (tmp_path / "ckpt-000010" / "lora.safetensors").unlink()
+    os.utime(tmp_path / "ckpt-000010")
+    save_checkpoint(tmp_path, 40, *tensors(40), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name == "latest") == ["ckpt-000030", "ckpt-000040"]
+    assert load_checkpoint(tmp_path / "ckpt-000030").step == 30
+
+
+PRUNE_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from lorac.runtime import checkpoint as ck
+    sys.path.insert(0, {tests!r})
+    from test_checkpoint import tensors
+    root = sys.argv[1]
+    for step in (1, 2):
+        ck.save_checkpoint(root, step, *tensors(step), keep=2)
+    unlink = os.unlink
+    def slow_unlink(*a, **k):
+        print("UNLINK", flush=True)
+        time.sleep(0.2)
+        return unlink(*a, **k)
+    os.unlink = slow_unlink
+    ck.save_checkpoint(root, 3, *tensors(3), keep=2)   # prunes ckpt-1, file by file
+    print("DONE", flush=True)
+""")
+
+
+def test_kill_while_pruning_leaves_only_whole_checkpoints(tmp_path):
+    code = PRUNE_CHILD.format(tests=str(Path(__file__).parent))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    _kill_when(proc, lambda seen: seen[-1] == "UNLINK")
+    assert load_checkpoint(tmp_path).step == 3 and load_checkpoint(tmp_path / "ckpt-000002").step == 2
+    assert not (tmp_path / "ckpt-000001").exists()  # gone whole (renamed away), never half
+    for step in (4, 5):  # later saves keep the newest two by step and sweep the trash
+        save_checkpoint(tmp_path, step, *tensors(step), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000004", "ckpt-000005", "latest"]
+
+
+DISK_FULL_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    import numpy as np
+    from lorac.runtime import checkpoint as ck
+    from lorac.runtime.errors import LoracError
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    big = {name.format("A"): np.ones((64, 512), np.float32), name.format("B"): np.ones((512, 64), np.float32)}
+    ck.save_checkpoint(sys.argv[1], 1, big, big, big)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)              # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))  # as on a full disk
+    try:
+        ck.save_checkpoint(sys.argv[1], 2, big, big, big)
+    except LoracError as e:
+        print("ERROR", e)
+""")
+
+
+def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    r = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stdout.startswith("ERROR cannot write checkpoint") and r.stdout.count("\n") == 1, r.stdout
+    assert load_checkpoint(tmp_path).step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "latest"]

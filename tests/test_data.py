@@ -259,3 +259,135 @@ def test_bundled_corpus_is_small_and_valid(tok):
     assert not terms & {r["messages"][0]["content"] for r in evs}  # held-out terms
     ds = load_dataset(train, tok, seq=256, vocab_size=tok.vocab_size, eval_path=ev)
     assert ds.train.n_counted > 0 and ds.eval.n_counted > 0
+
+
+# ---------------------------------------------------------------- rows, long documents, temp folders
+
+def _counted_targets(labels):
+    return (labels[:, 1:] != IGNORE).sum(axis=1)  # the graph predicts token t+1 from t
+
+
+def test_rows_without_an_answer_token_are_dropped_and_counted(tmp_path, tok):
+    long_prompt = " ".join(WORDS * 3)  # ~75 tokens: fills whole rows of 16 with no answer
+    recs = [{"prompt": long_prompt if i % 2 else "what is foo? ", "completion": "foo is bar"} for i in range(12)]
+    ds = load_dataset(write_jsonl(tmp_path / "p.jsonl", recs), tok, seq=16, vocab_size=tok.vocab_size, eval_fraction=0.25)
+    d = ds.describe()
+    assert d["train_rows_without_answer"] > 0 and d["train_rows"] + d["train_rows_without_answer"] == ds.train.n_rows(16)
+    it = ds.batches(4, seed=0)
+    for _ in range(3 * d["train_rows"]):  # several epochs: every row in view counts something
+        assert (_counted_targets(next(it)["labels"]) > 0).all()
+    evals = [b["labels"] for b in ds.eval_batches(2)]
+    assert sum(len(b) for b in evals) >= d["eval_rows"]
+    assert all((_counted_targets(b) > 0).sum() > 0 for b in evals)
+
+
+def test_a_dataset_with_no_answer_in_view_is_refused(tmp_path, tok):
+    # a prompt of an even number of tokens and an empty answer: the only counted token, EOS,
+    # opens the last row of 2, where it is no target; every row of the dataset counts nothing
+    prompt = next(p for p in (" ".join(WORDS[:k]) for k in range(3, 20)) if len(tok.encode(p)) % 2 == 0)
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": prompt, "completion": ""}])
+    with pytest.raises(LoracError, match=r"p\.jsonl: all \d+ training rows were dropped: rows of 2 tokens in which no "
+                                         r"answer token follows"):
+        load_dataset(path, tok, seq=2, vocab_size=tok.vocab_size, eval_fraction=0)
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"text": "foo bar baz the quick brown fox"}] * 4)
+    with pytest.raises(LoracError, match=r"p\.jsonl: all \d+ eval rows were dropped"):
+        load_dataset(ok, tok, seq=2, vocab_size=tok.vocab_size, eval_path=path)
+
+
+def test_long_document_is_tokenized_in_pieces_with_the_same_mask(tmp_path, tok, monkeypatch):
+    import lorac.runtime.data as data
+    words = [WORDS[i % len(WORDS)] for i in range(3000)]
+    rec = {"prompt": " ".join(words[:1000]) + " ", "completion": " ".join(words[1000:])}
+    path = write_jsonl(tmp_path / "l.jsonl", [rec])
+    whole = load_dataset(path, tok, seq=32, vocab_size=tok.vocab_size, eval_fraction=0)
+    monkeypatch.setattr(data, "MAX_PIECE", 500)
+    monkeypatch.setattr(data, "ENCODE_CHARS", 2000)
+    pieces = load_dataset(path, tok, seq=32, vocab_size=tok.vocab_size, eval_fraction=0)
+    # cuts fall before a blank, where byte-level BPE starts a token anyway: the same tokens
+    assert np.array_equal(np.asarray(whole.train.ids), np.asarray(pieces.train.ids))
+    assert np.array_equal(np.asarray(whole.train.mask), np.asarray(pieces.train.mask))
+    assert counted_text(tok, pieces) == " " + rec["completion"] + "<|im_end|>"  # the prompt's blank leads the answer
+
+
+def test_a_line_over_the_limit_is_refused_without_reading_it_whole(tmp_path, tok, monkeypatch):
+    import lorac.runtime.data as data
+    monkeypatch.setattr(data, "MAX_LINE", 1 << 20)
+    path = write_jsonl(tmp_path / "big.jsonl", [{"text": "foo"}, {"text": "x" * (3 << 20)}])
+    tracemalloc.start()
+    with pytest.raises(LoracError, match=r"big\.jsonl:2: line longer than 1 M characters"):
+        load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 3 << 20
+
+
+LONG_LINE = """
+import json, resource, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from tiny_model import char_tokenizer
+from lorac.runtime.data import load_dataset
+from lorac.runtime.tokenizer import Tokenizer
+tok = Tokenizer(char_tokenizer(), eos_id=1)  # one token per character: the costliest case
+path = Path(sys.argv[1]) / "one.jsonl"
+path.write_text(json.dumps({{"prompt": "Q: ", "completion": "the quick brown fox jumps. " * 80000}}) + "\\n")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ds = load_dataset(path, tok, 128, tok.vocab_size, eval_fraction=0)
+print(ds.train.n_tokens, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+@pytest.mark.slow
+def test_one_long_line_is_tokenized_in_bounded_memory(tmp_path):
+    """A 2 MB JSONL line: whole, the tokenizer's working memory grew ~0.9 GB (a 5 MB line: 2 GB)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = LONG_LINE.format(tests=str(Path(__file__).parent))
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tokens, grew_mb = (int(x) for x in r.stdout.split())
+    assert tokens > 2_000_000 and grew_mb < 250, (tokens, grew_mb)
+
+
+KEEP_DATA = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from tiny_model import char_tokenizer
+from lorac.runtime.data import load_dataset
+from lorac.runtime.tokenizer import Tokenizer
+tok = Tokenizer(char_tokenizer(), eos_id=1)
+(Path(sys.argv[1]) / "c.txt").write_text("the cat sat\\n\\non the mat\\n")
+ds = load_dataset(Path(sys.argv[1]) / "c.txt", tok, 8, tok.vocab_size)
+print(ds.folder, flush=True)
+time.sleep(60)
+"""
+
+
+def test_temp_folders_of_killed_runs_are_removed_by_the_next(tmp_path, tok, monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    code = KEEP_DATA.format(tests=str(Path(__file__).parent))
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(temp)})
+    folder = Path(child.stdout.readline().strip())
+    assert folder.parent == temp and folder.name.startswith("lorac-data-")
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "foo bar"}] * 3)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    live = load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size)
+    assert folder.is_dir()  # its owner still runs: kept
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    child.stdout.close()
+    again = load_dataset(path, tok, seq=8, vocab_size=tok.vocab_size)
+    assert not folder.exists()  # its owner died: removed
+    assert sorted(p.name for p in temp.iterdir()) == sorted([Path(live.folder).name, Path(again.folder).name])
+    del live, again
+    assert list(temp.iterdir()) == []  # a dataset's folder goes with it

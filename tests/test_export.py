@@ -190,3 +190,29 @@ def test_permutation_is_inverted_by_the_gguf_loader():
     b = np.random.default_rng(0).standard_normal((24, 3)).astype(np.float32)
     for heads in (1, 2, 3, 6):
         assert np.array_equal(gguf_model.unpermute_qk(llama_qk_permute(b, heads), heads), b)
+
+
+DISK_FULL_EXPORT = """
+import resource, signal, sys
+import numpy as np
+from lorac.runtime.errors import LoracError
+from lorac.runtime.export import export_peft
+pre = "base_model.model.model.layers.0.self_attn.q_proj"
+lora = {pre + ".lora_A.weight": np.ones((64, 512), np.float32), pre + ".lora_B.weight": np.ones((512, 64), np.float32)}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)             # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))  # as on a full disk
+try:
+    export_peft(sys.argv[1], lora, alpha=16.0)
+except LoracError as e:
+    print("ERROR", e)
+"""
+
+
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", DISK_FULL_EXPORT, str(tmp_path / "adapter")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stdout.startswith(f"ERROR cannot write {tmp_path / 'adapter'}: ") and r.stdout.count("\n") == 1, r.stdout
+    assert list(tmp_path.iterdir()) == []

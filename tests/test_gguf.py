@@ -180,6 +180,15 @@ def test_unsupported_quant_in_file(tmp_path):
         load_gguf(path)
 
 
+@pytest.mark.parametrize("heads,kv,match", [(0, 2, "attention.head_count=0 must be a positive integer"),
+                                             (4, 0, "attention.head_count_kv=0 must be a positive integer")])
+def test_zero_head_counts_are_one_line(tmp_path, heads, kv, match):
+    path = tmp_path / "h.gguf"
+    write_gguf(path, "qwen3", hf_weights("qwen3", np.random.default_rng(3)), heads=heads, kv=kv, permute=False)
+    with pytest.raises(LoracError, match=match):  # a ZeroDivisionError before
+        load_gguf(path)
+
+
 def test_not_a_gguf_file(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")

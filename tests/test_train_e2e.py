@@ -102,7 +102,7 @@ def test_ctrl_c_saves_and_resume_equals_uninterrupted_run(workdir, trained):
             break
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err[-2000:]
+    assert p.returncode == 130, err[-2000:]  # a checkpoint is saved, and the status says the run is not done
     assert (out / "checkpoints" / "latest").is_file()
     stopped = max(r["step"] for r in _records(out) if "loss" in r)
     assert 7 <= stopped < 30

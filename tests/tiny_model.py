@@ -10,17 +10,23 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def char_tokenizer_json(path: Path) -> int:
-    """A WordLevel tokenizer over single characters; returns the vocab size."""
+def char_tokenizer(chars: str = string.ascii_letters + string.digits + string.punctuation + " \n"):
+    """A WordLevel `tokenizers.Tokenizer` over single characters, with ChatML's specials
+    (ids 0-3: <unk>, <|endoftext|>, <|im_start|>, <|im_end|>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
-    vocab = {c: i for i, c in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}
+    vocab = {c: i for i, c in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return tok
+
+
+def char_tokenizer_json(path: Path) -> int:
+    """char_tokenizer() saved as tokenizer.json; returns the vocab size."""
+    tok = char_tokenizer()
     tok.save(str(path))
-    return len(vocab)
+    return tok.get_vocab_size()
 
 
 def make_model_dir(root: Path, arch: str = "qwen3", layers: int = 2, seed: int = 0, **over) -> Path:

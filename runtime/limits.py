@@ -1,0 +1,71 @@
+"""Sizes checked against the model and the machine before anything is compiled.
+
+A sequence longer than the model's context, a rank wider than every adapted projection, or
+a step whose memory cannot fit is refused with one line: compiling such a graph only fills
+memory until the OOM killer ends it (`--seq 100000` on a 512-context model grew the compile
+past 21 GB; the causal mask alone is seq x seq).
+
+The memory estimate is a lower bound, so it never refuses a step that fits: the device copy
+of the frozen weights, the LoRA tensors with their gradient and AdamW moments, and buffers
+any such step holds at some moment (one layer's attention probabilities, one loss chunk of
+logits, each layer's input kept for the backward). It is checked for the CPU, whose memory
+is this machine's.
+"""
+from __future__ import annotations
+
+import os
+
+from .errors import LoracError
+
+
+def context_length(config: dict) -> int | None:
+    """The model's context length (HF max_position_embeddings; GGUF context_length maps there)."""
+    n = config.get("max_position_embeddings")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_context(seq: int, config: dict, flag: str) -> None:
+    n = context_length(config)
+    if n is not None and config.get("model_type") != "mamba" and seq > n:
+        raise LoracError(f"{flag} {seq} exceeds the model's context length {n} (max_position_embeddings)")
+
+
+def check_rank(spec, train, flag: str = "--rank") -> None:
+    widest = max(min(spec.proj_shape(t)) for t in train.lora_targets)
+    if train.rank > widest:
+        raise LoracError(f"{flag} {train.rank} exceeds the width of every adapted projection (at most {widest}): "
+                         f"a rank-r LoRA of an [out, in] matrix needs r <= min(out, in)")
+
+
+def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4) -> int:
+    """A lower bound on the bytes one training step needs (module doc)."""
+    b, s, layers = train.batch, train.seq, len(train.layers(spec))
+    lora = sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * layers
+    attention = b * spec.heads * s * s if hasattr(spec, "heads") else 0  # Mamba has none
+    chunk = min(train.loss_chunk or b * s, b * s)
+    return itemsize * (n_weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable, else physical), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(spec, train, n_weights: int, target: str) -> None:
+    """Refuse a CPU step whose lower-bound memory exceeds what this machine has available."""
+    have = available_memory() if target == "cpu" else None
+    need = step_bytes_lower_bound(spec, train, n_weights)
+    if have is not None and need > have:
+        raise LoracError(f"a training step of batch {train.batch} x seq {train.seq} at rank {train.rank} needs at least "
+                         f"{need / 2**30:.1f} GiB, this machine has {have / 2**30:.1f} GiB available; lower --batch, "
+                         "--seq or --rank (or use --checkpointing / --loss-chunk)")
