@@ -78,40 +78,26 @@ def converters() -> dict:
         if not same_shape:
             calls.append(call)
 
-    class CausalAttention:
-        unit_calls = calls
+    def forward(bb, inputs, _attrs, _params):
+        q, k, v = (cache(bb, x) for x in inputs[:3])
+        B, S, H, Dh = _shape(q)
+        record(FWD, q, k, _scale(inputs[3]))
+        out = bb.emit(relax.call_dps_packed(
+            FWD, [q, k, v], [relax.TensorType([B, S, H, Dh], _BF16), relax.TensorType([B, H, S, 1], "float32")]))
+        o = bb.emit(relax.TupleGetItem(out, 0))
+        return relax.Tuple([cache.widen(bb, o), bb.emit(relax.TupleGetItem(out, 1))])
 
-        @classmethod
-        def get_converter(cls, _opset):
-            return cls._impl
+    def backward(bb, inputs, _attrs, _params):
+        q, k, v, o, do = (cache(bb, x) for x in inputs[:5])
+        record(BWD, q, k, _scale(inputs[6]))
+        out = bb.emit(relax.call_dps_packed(
+            BWD, [q, k, v, o, do, inputs[5]], [relax.TensorType(_shape(x), _BF16) for x in (q, k, v)]))
+        return relax.Tuple([bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(out, i)), "float32"))
+                            for i in range(3)])
 
-        @staticmethod
-        def _impl(bb, inputs, _attrs, _params):
-            q, k, v = (cache(bb, x) for x in inputs[:3])
-            B, S, H, Dh = _shape(q)
-            record(FWD, q, k, _scale(inputs[3]))
-            out = bb.emit(relax.call_dps_packed(
-                FWD, [q, k, v],
-                [relax.TensorType([B, S, H, Dh], _BF16), relax.TensorType([B, H, S, 1], "float32")]))
-            o = bb.emit(relax.TupleGetItem(out, 0))
-            return relax.Tuple([cache.widen(bb, o), bb.emit(relax.TupleGetItem(out, 1))])
+    def converter(name, fn):
+        """A converter class as the frontend's op table holds them (get_converter(opset))."""
+        return type(name, (), {"unit_calls": calls, "get_converter": classmethod(lambda cls, _opset: fn)})
 
-    class CausalAttentionGrad:
-        unit_calls = calls
-
-        @classmethod
-        def get_converter(cls, _opset):
-            return cls._impl
-
-        @staticmethod
-        def _impl(bb, inputs, _attrs, _params):
-            q, k, v, o, do = (cache(bb, x) for x in inputs[:5])
-            lse = inputs[5]
-            record(BWD, q, k, _scale(inputs[6]))
-            out = bb.emit(relax.call_dps_packed(
-                BWD, [q, k, v, o, do, lse],
-                [relax.TensorType(_shape(x), _BF16) for x in (q, k, v)]))
-            return relax.Tuple([bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(out, i)), "float32"))
-                                for i in range(3)])
-
-    return {"CausalAttention": CausalAttention, "CausalAttentionGrad": CausalAttentionGrad}
+    return {"CausalAttention": converter("CausalAttention", forward),
+            "CausalAttentionGrad": converter("CausalAttentionGrad", backward)}

@@ -46,16 +46,18 @@ class GraphBuilder:
         return v
 
     def const(self, array, dtype=None) -> ir.Value:
-        """A constant as an initializer, shared between all users of the same value."""
+        """A constant, shared between all users of the same value."""
         arr = np.asarray(array, dtype=dtype)
         key = (arr.dtype.str, arr.shape, arr.tobytes())
-        hit = self._consts.get(key)
-        if hit is not None:
-            return hit
+        if key not in self._consts:
+            self._consts[key] = self._new_const(arr)
+        return self._consts[key]
+
+    def _new_const(self, arr: np.ndarray) -> ir.Value:
+        """A graph's constants are initializers."""
         v = ir.Value(name=f"c{len(self._consts)}", type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
                      shape=ir.Shape(list(arr.shape)), const_value=ir.tensor(arr))
         self.initializers.append(v)
-        self._consts[key] = v
         return v
 
     def f(self, x: float) -> ir.Value:
@@ -169,13 +171,8 @@ class FunctionBuilder(GraphBuilder):
         self.inputs.append(v)
         return v
 
-    def const(self, array, dtype=None) -> ir.Value:
-        arr = np.asarray(array, dtype=dtype)
-        key = (arr.dtype.str, arr.shape, arr.tobytes())
-        hit = self._consts.get(key)
-        if hit is None:
-            hit = self._consts[key] = self.op("Constant", value=ir.tensor(arr))
-        return hit
+    def _new_const(self, arr: np.ndarray) -> ir.Value:
+        return self.op("Constant", value=ir.tensor(arr))
 
 
 def _attr(k: str, v):
