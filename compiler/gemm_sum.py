@@ -43,7 +43,6 @@ class _SumFuser(PyExprMutator):
         super().__init__(mod)
         self.uses = _use_counts(mod)
         self.fused = 0
-        self.names = set()
 
     def _terms_of(self, x):
         """The GEMM terms of an Add operand used nowhere else, else None."""
@@ -64,7 +63,6 @@ class _SumFuser(PyExprMutator):
         terms = lhs + rhs
         name = ACC_PREFIX + "".join(layout for layout, _, _ in terms)
         self.fused += 1
-        self.names.add(name)
         return relax.call_dps_packed(name, [x for _, a, b in terms for x in (a, b)], call.ty)
 
     @staticmethod
@@ -91,6 +89,12 @@ def fuse_gemm_sums(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
     """-> (module, the accumulating function names it calls: the runtime registers them)."""
     fuser = _SumFuser(mod)
     mod = rewrite_functions(fuser, mod)
-    if fuser.fused:
-        mod = relax.transform.DeadCodeElimination()(mod)
-    return mod, sorted(fuser.names)
+    if not fuser.fused:
+        return mod, []
+    mod = relax.transform.DeadCodeElimination()(mod)  # the absorbed GEMMs and inner sums
+    names = set()
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, lambda e: names.add(e.args[0].global_symbol) if isinstance(
+                e, relax.Call) and e.op == _DPS and e.args[0].global_symbol.startswith(ACC_PREFIX) else None)
+    return mod, sorted(names)

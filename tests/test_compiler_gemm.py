@@ -85,3 +85,41 @@ def test_blas_info_names_the_kernel_family_openblas_runs():
     free = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}
     own = subprocess.run([sys.executable, "-c", code], env=free, capture_output=True, text=True, check=True).stdout
     assert "core=" in own and "OPENBLAS_CORETYPE" not in own
+
+
+def test_sums_of_gemms_become_one_accumulating_call():
+    """compiler/gemm_sum.py: (x W^T + u B^T) + z Vᵀ folds into one lorac.gemm_acc_ call when
+    every GEMM result is read only by the sum; a GEMM read elsewhere too keeps its own call
+    and its add; the numbers equal numpy's (the CPU path: first GEMM writes, others add)."""
+    from tvm import relax
+
+    from lorac.compiler.gemm import dispatch_gemms
+    from lorac.compiler.gemm_sum import fuse_gemm_sums
+    from lorac.runtime import gemm as runtime_gemm
+
+    bb = relax.BlockBuilder()
+    f32 = "float32"
+    names_shapes = (("x", (5, 8)), ("w", (6, 8)), ("u", (5, 3)), ("b", (6, 3)), ("z", (5, 4)), ("v", (6, 4)))
+    args = [relax.Var(n, relax.TensorType(s, f32)) for n, s in names_shapes]
+    x, w, u, b, z, v = args
+    with bb.function("main", args):
+        with bb.dataflow():
+            mm_t = lambda p, q: bb.emit(relax.op.matmul(p, relax.op.permute_dims(q, [1, 0])))
+            s1 = bb.emit(relax.op.add(mm_t(x, w), mm_t(u, b)))
+            s2 = bb.emit(relax.op.add(s1, mm_t(z, v)))  # a chain folds into one call
+            shared = mm_t(x, w)
+            s3 = bb.emit(relax.op.add(shared, mm_t(u, b)))  # `shared` is also an output: no fold
+            out = bb.emit_output(relax.Tuple([s2, s3, shared]))
+        bb.emit_func_output(out)
+    mod, _, _ = dispatch_gemms(bb.get())
+    mod, names = fuse_gemm_sums(mod)
+    assert names == ["lorac.gemm_acc_ntntnt"] and _count(mod, "relax.add") == 1
+    runtime_gemm.register()
+    runtime_gemm.register_accumulating(names)
+    rng = np.random.default_rng(0)
+    vals = [rng.standard_normal(s).astype(f32) for _, s in names_shapes]
+    ex = tvm.compile(mod, tvm.target.Target({"kind": "llvm"}))
+    got = [t.numpy() for t in relax.VirtualMachine(ex, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in vals))]
+    X, W, U, B, Z, V = vals
+    for g, r in zip(got, (X @ W.T + U @ B.T + Z @ V.T, X @ W.T + U @ B.T, X @ W.T)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
