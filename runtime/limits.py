@@ -8,8 +8,9 @@ past 21 GB; the causal mask alone is seq x seq).
 The memory estimate is a lower bound, so it never refuses a step that fits: the device copy
 of the frozen weights, the LoRA tensors with their gradient and AdamW moments, and buffers
 any such step holds at some moment (one layer's attention probabilities, one loss chunk of
-logits, each layer's input kept for the backward). It is checked for the CPU, whose memory
-is this machine's.
+logits, each layer's input kept for the backward). It is checked against this machine's
+memory for the CPU and against the GPU's free memory for CUDA where a GPU is visible (a
+compile-only machine has none to compare with).
 """
 from __future__ import annotations
 
@@ -37,13 +38,15 @@ def check_rank(spec, train, flag: str = "--rank") -> None:
                          f"a rank-r LoRA of an [out, in] matrix needs r <= min(out, in)")
 
 
-def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4) -> int:
-    """A lower bound on the bytes one training step needs (module doc)."""
+def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4, target: str = "cpu") -> int:
+    """A lower bound on the bytes one training step needs (module doc). On CUDA the frozen
+    weights are bf16 and attention is cuDNN's fused kernel (no [S, S] probabilities)."""
     b, s, layers = train.batch, train.seq, len(train.layers(spec))
     lora = sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * layers
-    attention = b * spec.heads * s * s if hasattr(spec, "heads") else 0  # Mamba has none
+    attention = b * spec.heads * s * s if hasattr(spec, "heads") and target != "cuda" else 0  # Mamba has none
+    weights = n_weights // 2 if target == "cuda" else n_weights
     chunk = min(train.loss_chunk or b * s, b * s)
-    return itemsize * (n_weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
+    return itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
 
 
 def available_memory() -> int | None:
@@ -61,11 +64,26 @@ def available_memory() -> int | None:
         return None
 
 
+def gpu_memory_free() -> int | None:
+    """Free bytes on CUDA device 0 (cudaMemGetInfo), or None without a usable GPU."""
+    import ctypes
+    try:
+        from .gemm_cuda import load_library
+        cudart = load_library("libcudart")
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+            return None
+        return free.value
+    except (LoracError, OSError, AttributeError):
+        return None
+
+
 def check_memory(spec, train, n_weights: int, target: str) -> None:
-    """Refuse a CPU step whose lower-bound memory exceeds what this machine has available."""
-    have = available_memory() if target == "cpu" else None
-    need = step_bytes_lower_bound(spec, train, n_weights)
+    """Refuse a step whose lower-bound memory exceeds what the machine (cpu) or the GPU
+    (cuda, when one is visible) has available."""
+    have = {"cpu": available_memory, "cuda": gpu_memory_free}.get(target, lambda: None)()
+    need = step_bytes_lower_bound(spec, train, n_weights, target=target)
     if have is not None and need > have:
         raise LoracError(f"a training step of batch {train.batch} x seq {train.seq} at rank {train.rank} needs at least "
-                         f"{need / 2**30:.1f} GiB, this machine has {have / 2**30:.1f} GiB available; lower --batch, "
+                         f"{need / 2**30:.1f} GiB, {'the GPU' if target == 'cuda' else 'this machine'} has {have / 2**30:.1f} GiB available; lower --batch, "
                          "--seq or --rank (or use --checkpointing / --loss-chunk)")
