@@ -7,7 +7,7 @@ those passes over fp32 activations were a large share of the TVM kernels' time. 
 `R.add` whose operands are both GEMM results used nowhere else becomes one call of
 `lorac.gemm_acc_<layouts>` (e.g. `lorac.gemm_acc_ntnt`, two letters per pair as in
 `lorac.gemm_<ta><tb>`), which the runtime runs as the first GEMM writing `out` and each
-further one accumulating into it (cuBLAS beta = 1; numpy `+=` on the CPU). Chains fold:
+further one accumulating into it (cuBLAS beta = 1). Targets opt in (ACCUMULATING_GEMMS). Chains fold:
 an accumulating call used only by another such Add joins it. The replaced GEMMs are dead
 afterwards and DeadCodeElimination drops them.
 """

@@ -14,7 +14,8 @@ The target modules (target_*.py) share one small interface: FAMILY, DEVICE,
 GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(mod),
 relax_passes(target), export(executable, art_dir, target) -> manifest fields; optional:
 pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu),
-native_units(dtype) (the lorac units it maps whole: units.py; the rest are inlined).
+native_units(dtype) (the lorac units it maps whole: units.py; the rest are inlined),
+ACCUMULATING_GEMMS (sums of GEMMs as one accumulating call: gemm_sum.py; cuda).
 """
 from __future__ import annotations
 
@@ -215,7 +216,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         from .gemm import dispatch_gemms
         from .gemm_sum import fuse_gemm_sums
         mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
-        mod, acc = fuse_gemm_sums(mod)
+        mod, acc = fuse_gemm_sums(mod) if getattr(tmod, "ACCUMULATING_GEMMS", False) else (mod, [])
         gemm = {"dispatched": n, "left_to_tvm": left, "accumulating": acc}
     inputs, outputs = _signature(proto, mod["main"])
     bound = bool(getattr(tmod, "binds_inputs", lambda _r: False)(request))

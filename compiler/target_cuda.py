@@ -23,6 +23,9 @@ from lorac.runtime.errors import LoracError
 FAMILY = "cuda"
 DEVICE = "cuda"
 GEMM_LIBRARY = True  # cuBLAS through lorac.runtime.gemm_cuda
+# sums of GEMM results as one cuBLAS chain with beta = 1 (gemm_sum.py); not on the CPU, where
+# TVM's add kernels run on every core and numpy's accumulate would run on one
+ACCUMULATING_GEMMS = True
 DTYPES = ("float32", "bfloat16")
 DEFAULT_ARCH = "sm_90"
 
