@@ -192,6 +192,8 @@ def tokenizer_info(path_or_reader) -> dict:
         "tokens": get("tokenizer.ggml.tokens"),
         "token_type": get("tokenizer.ggml.token_type"),
         "merges": get("tokenizer.ggml.merges"),
+        "scores": get("tokenizer.ggml.scores"),
+        "add_space_prefix": bool(get("tokenizer.ggml.add_space_prefix", True)),
         "bos_id": get("tokenizer.ggml.bos_token_id"),
         "eos_id": get("tokenizer.ggml.eos_token_id"),
         "add_bos": bool(get("tokenizer.ggml.add_bos_token", False)),
@@ -213,15 +215,17 @@ DIGIT_FIRST = {"smollm", "starcoder", "refact"}
 
 
 def build_tokenizer(info: dict):
-    """A byte-level BPE `tokenizers.Tokenizer` from GGUF vocabulary info (tokenizer_info).
-
-    Only "gpt2" (byte-level BPE: SmolLM, Llama 3, Qwen2/3) is built; sentencepiece
-    ("llama") vocabularies are refused with a clear error.
+    """A `tokenizers.Tokenizer` from GGUF vocabulary info (tokenizer_info): "gpt2" (byte-level
+    BPE: SmolLM, Llama 3, Qwen2/3) here, "llama" (SentencePiece: Llama 2, Mistral) in gguf_spm.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    if info["model"] == "llama":
+        from .gguf_spm import build_spm_tokenizer
+        return build_spm_tokenizer(info)
     if info["model"] != "gpt2":
-        raise LoracError(f"GGUF tokenizer model {info['model']!r} is not supported (only byte-level BPE 'gpt2')")
+        raise LoracError(f"GGUF tokenizer model {info['model']!r} is not supported "
+                         "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
     tokens, merges = info["tokens"], info["merges"]
     if not merges:
         raise LoracError("GGUF byte-level tokenizer has no merges (tokenizer.ggml.merges)")
