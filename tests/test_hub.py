@@ -25,15 +25,16 @@ def test_pick_gguf():
         pick_gguf(["README.md"], None, "o/m")
 
 
-def cache_repo(cache, repo, files: dict):
+def cache_repo(cache, repo, files: dict, kind="models"):
     """A repo in huggingface_hub's cache layout: refs/main names a snapshot holding the files."""
-    root = cache / f"models--{repo.replace('/', '--')}"
+    root = cache / f"{kind}--{repo.replace('/', '--')}"
     commit = "0123456789abcdef0123456789abcdef01234567"
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text(commit)
     snap = root / "snapshots" / commit
     snap.mkdir(parents=True)
     for name, data in files.items():
+        (snap / name).parent.mkdir(parents=True, exist_ok=True)
         (snap / name).write_bytes(data)
     return snap
 
