@@ -25,7 +25,7 @@ TRAIN_HELP = {
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
                "in_proj,x_proj,dt_proj,out_proj for Mamba)",
-    "trained_layers": "adapt only layers A:B (no backward below A)",
+    "trained_layers": "adapt only layers A:B, or the layers i,j,k (no backward below the first)",
     "lr": "learning rate of the LoRA A matrices", "loraplus_ratio": "LoRA+ ratio: lr(B) = ratio * lr(A)",
     "warmup": "linear warmup steps (then cosine decay to lr/10)", "weight_decay": "AdamW decoupled weight decay",
     "max_grad_norm": "global gradient-norm clip (<= 0: off)", "grad_accum": "micro-batches per optimizer step",
@@ -36,6 +36,8 @@ TRAIN_HELP = {
     "eval_batches": "batches per eval (0: no eval)", "save_every": "steps between checkpoints",
     "keep_checkpoints": "checkpoints kept", "seed": "random seed (LoRA init and data order)",
     "resume": "continue from a checkpoint directory (or OUT/checkpoints)",
+    "adapter": "start from this PEFT adapter directory (its rank, alpha, targets and layers replace "
+               "--rank, --alpha, --targets, --trained-layers)",
     "cache_dir": "compiled-artifact cache", "eval_fraction": "share of documents held out for eval",
     "sample_prompt": "prompt for the before/after sample (default: one from the eval data)",
     "sample_tokens": "tokens generated for the sample (0: no sample)",

@@ -11,7 +11,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +52,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     resume: str | None = None
+    adapter: str | None = None  # PEFT adapter to start from; its rank/alpha/targets/layers replace ours
     cache_dir: str = ".lorac-cache"
     eval_fraction: float = 0.05
     sample_prompt: str | None = None  # generated before/after training; None: one from the eval data
@@ -80,9 +81,11 @@ class TrainConfig:
         if not self.trained_layers:
             return None
         try:
+            if ":" not in self.trained_layers:  # a list of layers, as an adapter's layers_to_transform
+                return tuple(int(x) for x in self.trained_layers.split(","))
             lo, hi = (int(x) if x else d for x, d in zip(self.trained_layers.split(":"), (0, n_layers)))
         except ValueError:
-            raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30), got {self.trained_layers!r}") from None
+            raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
         return range(lo, hi)
 
 
@@ -112,6 +115,13 @@ class Run:
         self.log(f"model: {self.source.describe()}")
         self.model_config, weights, self.tokenizer = self.source.load()
         self.spec = ModelSpec.from_hf_config(self.model_config)
+        self.adapter = None
+        if cfg.adapter:  # the adapter's settings replace the flags it decides
+            from .adapter_in import read_adapter
+            self.adapter = a = read_adapter(cfg.adapter, self.spec)
+            cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, targets=a.targets,
+                                     trained_layers=a.trained_layers(self.spec.layers))
+            self.log(f"adapter: {a.describe()}")
         extra = {}
         if self.spec.arch == "mamba":
             from lorac.graphs.mamba import DEFAULT_CHUNK, DEVICE_CHUNK
@@ -137,12 +147,15 @@ class Run:
         self.engine = Engine(self.spec, self.train_spec, weights, cfg.target, cfg.dtype, cfg.cache_dir,
                              self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph)
         del weights  # the device holds them now
+        if self.adapter:
+            self.adapter.check_shapes(self.engine.shapes)
         self.model_hash = _model_hash(self.model_config)
 
     # -- state ------------------------------------------------------------------------------
     def fresh_state(self):
         rng = np.random.default_rng(self.cfg.seed)
-        lora = init_lora(self.engine.shapes, rng)
+        lora = init_lora(self.engine.shapes, rng) if self.adapter is None else \
+            {n: self.adapter.lora[n].copy() for n in self.engine.shapes}
         zeros = {n: np.zeros(s, np.float32) for n, s in self.engine.shapes.items()}
         return dict(step=0, updates=0, skipped=0, lora=lora, m=zeros, v=dict(zeros), data=None, rng=rng)
 
