@@ -13,6 +13,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from .errors import LoracError
+from .export_onnx import GRAPHS
+from .files import respect_umask
 from .train import ALL_TARGETS, TrainConfig
 
 TRAIN_HELP = {
@@ -150,23 +152,57 @@ def cmd_export(args) -> int:
     from . import export
     from .checkpoint import load_checkpoint
     from .model_source import resolve_model
+    if args.format == "onnx":
+        return _export_onnx(args)
+    if not args.checkpoint:
+        raise LoracError(f"--format {args.format} exports a trained adapter: give --checkpoint")
     ck = load_checkpoint(args.checkpoint)
     tcfg = ck.state.get("train_config", {})
     alpha, rslora = tcfg.get("alpha"), tcfg.get("rslora", False)
     config = ck.state.get("model_config", {})
     source = resolve_model(args.model or tcfg.get("model"))
+    if args.dtype == "q8_0" and args.format != "gguf-merged":
+        raise LoracError("--dtype q8_0 is for --format gguf-merged")
     if args.format == "peft":
         path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
                                   base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"),
                                   warn=lambda m: print(m, file=sys.stderr))
     elif args.format == "merged" and source.path.is_dir():
-        path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora)
+        path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, dtype=args.dtype)
     elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory
-        config, weights, _ = source.load()
-        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora)
+        from .gguf_model import float_dtype
+        config, weights, tok = source.load()
+        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora,
+                                            tokenizer=tok, dtype=args.dtype or float_dtype(source.path))
+    elif args.format == "gguf-merged":
+        from .export_gguf_merged import export_gguf_merged
+        qtype = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "q8_0": "Q8_0"}[args.dtype or "float16"]
+        path = export_gguf_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, qtype=qtype)
     else:
         path = export.export_gguf(args.out, ck.lora, alpha=alpha, model_config=config, use_rslora=rslora)
-    print(f"exported {args.format} adapter to {path}")
+    respect_umask(path)
+    print(f"exported {args.format} to {path}")
+    return 0
+
+
+def _export_onnx(args) -> int:
+    """The training/eval/forward graph of --checkpoint's run, or of --model with the given settings."""
+    from lorac.graphs import ModelSpec, TrainSpec
+
+    from .checkpoint import load_checkpoint
+    from .export_onnx import export_onnx
+    from .model_source import resolve_model
+    tcfg = load_checkpoint(args.checkpoint).state.get("train_config", {}) if args.checkpoint else {}
+    config = resolve_model(args.model or tcfg.get("model")).config()
+    spec = ModelSpec.from_hf_config(config)
+    targets = args.targets.split(",") if args.targets else tcfg.get("targets") or spec.targets
+    layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
+    train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", 128),
+                      lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", 16),
+                      alpha=args.alpha or tcfg.get("alpha", 32.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
+    path = export_onnx(args.out, config, train, args.graph)
+    respect_umask(path)
+    print(f"exported the {args.graph} graph ({train.batch}x{train.seq}, rank {train.rank}) to {path}")
     return 0
 
 
@@ -205,12 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--seed", type=int, default=0)
             q.add_argument("--window", type=int, default=128, help="static context window of the forward graph")
             q.set_defaults(func=cmd_generate, batch=1)
-    q = sub.add_parser("export", help="export a checkpoint's adapter", description="Export a checkpoint's adapter: "
-                       "PEFT directory, merged HF model, or GGUF LoRA adapter for llama.cpp.")
-    q.add_argument("--checkpoint", required=True, help="checkpoint directory (or OUT/checkpoints)")
-    q.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft")
-    q.add_argument("--out", required=True, help="output directory (peft, merged) or .gguf file (gguf)")
-    q.add_argument("--model", help="base model (merged needs its HF directory; default: the checkpoint's)")
+    q = sub.add_parser("export", help="export a checkpoint's adapter, or a model's ONNX graph",
+                       description="Export a checkpoint's adapter: PEFT directory, merged HF model, GGUF LoRA "
+                                   "adapter for llama.cpp, or a merged GGUF; or the ONNX graph of a model.")
+    q.add_argument("--checkpoint", help="checkpoint directory (or OUT/checkpoints); onnx: optional")
+    q.add_argument("--format", choices=("peft", "merged", "gguf", "gguf-merged", "onnx"), default="peft",
+                   help="peft (directory), merged (HF directory), gguf (llama.cpp LoRA file), gguf-merged (the GGUF "
+                        "base with the LoRA folded in) or onnx (the model's graph, no checkpoint needed); default: peft")
+    q.add_argument("--out", required=True, help="output directory (peft, merged) or file (gguf, gguf-merged, onnx)")
+    q.add_argument("--model", help="base model (default: the checkpoint's)")
+    q.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "q8_0"),
+                   help="merged: the weights' dtype (default: the base's; bfloat16 for a quantized GGUF base); "
+                        "gguf-merged: the adapted matrices' type (default: float16; q8_0 quantizes them)")
+    g = q.add_argument_group("onnx", "the graph and its shapes (default: the checkpoint's settings, else these)")
+    g.add_argument("--graph", choices=GRAPHS, default="train", help="train (loss and LoRA gradients), eval (loss) or "
+                   "forward (logits); default: train")
+    g.add_argument("--batch", type=int, help="sequences per batch (default: 1)")
+    g.add_argument("--seq", type=int, help="tokens per sequence (default: 128)")
+    g.add_argument("--rank", type=int, help="LoRA rank (default: 16)")
+    g.add_argument("--alpha", type=float, help="LoRA alpha (default: 32)")
+    g.add_argument("--targets", help="comma-separated LoRA targets (default: every linear layer)")
     q.set_defaults(func=cmd_export)
     return ap
 

@@ -151,13 +151,26 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_config(reader, path="GGUF file", meta=None) -> dict:
+    """The HF config dict of an open GGUF file (hf_config over its metadata and tensor names)."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return hf_config(meta or metadata(reader), [t.name for t in reader.tensors], path,
+                     vocab_len=len(tokens.data) if tokens else None)
+
+
+def float_dtype(path) -> str:
+    """The float dtype a GGUF file's matrices are stored in ("float32", "float16", "bfloat16"),
+    "bfloat16" for a quantized file: what a merged export writes by default."""
+    names = {0: "float32", 1: "float16", 30: "bfloat16"}
+    kinds = {int(t.tensor_type) for t in open_gguf(path).tensors if len(t.shape) == 2}
+    return names.get(kinds.pop() if len(kinds) == 1 else None, "bfloat16")
+
+
 def load_gguf(path, dtype=np.float32) -> tuple[dict, dict]:
     """(HF config dict, {HF name: array}) for a GGUF file; every tensor dequantized to dtype."""
     reader = open_gguf(path)
     meta = metadata(reader)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = [t.name for t in reader.tensors]
-    config = hf_config(meta, names, path, vocab_len=len(tokens.data) if tokens else None)
+    config = gguf_config(reader, path, meta)
     _, _, permuted = architecture(meta, path)
     weights = {}
     for t in reader.tensors:

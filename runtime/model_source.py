@@ -16,6 +16,11 @@ class ModelSource:
     def describe(self) -> str:
         return f"{self.name} ({self.path})"
 
+    def config(self) -> dict:
+        """The HF config dict alone (no weights read)."""
+        from .weights import model_config
+        return model_config(self.path)
+
     def load(self):
         """(HF config dict, frozen weights by HF name, Tokenizer)."""
         from .tokenizer import load_tokenizer

@@ -19,6 +19,7 @@ import numpy as np
 from lorac.graphs.spec import ALL_TARGETS  # noqa: F401 - the CLI's help lists them
 
 from .errors import LoracError
+from .files import respect_umask
 
 
 @dataclass
@@ -322,6 +323,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
             log(f"eval loss after step {st['step']}: {ev:.4f}")
         if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
             path = run.save(st, batches)
+            respect_umask(path)
             log(f"checkpoint: {path}")
     metrics.close()
     interrupted = st["step"] < cfg.steps  # a Ctrl-C after the last step does not count
@@ -337,6 +339,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
         try:
             adapter = export_peft(out / "adapter", eng.state_numpy()[0], alpha=cfg.alpha, use_rslora=cfg.rslora,
                                   base_model_name_or_path=run.source.name, num_hidden_layers=run.spec.layers, warn=log)
+            respect_umask(adapter)
         except PeftRefused as e:  # e.g. LoRA on Mamba's out_proj only: the checkpoint exports as merged
             log(f"no PEFT adapter written: {e}")
             adapter = None

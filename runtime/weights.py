@@ -182,6 +182,15 @@ def check_weights(config, weights, source):
         raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
 
 
+def model_config(path) -> dict:
+    """The config dict of an HF model directory or a .gguf file, without reading weights."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf_model import gguf_config, open_gguf
+        return gguf_config(open_gguf(path), path)
+    return read_config(path)
+
+
 def load_model(path, dtype=np.float32) -> tuple[dict, dict]:
     """(config dict, weights) from an HF model directory or a .gguf file."""
     path = os.fspath(path)
