@@ -15,10 +15,11 @@ DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
 
 
 def prepare(mod):
-    """exp/sigmoid/softmax that vectorize (fast_math.py; imported here, not at the top, so a
-    cache hit never imports TVM)."""
+    """exp/sigmoid/softmax that vectorize (fast_math.py), gathers without TVM's fast-mode
+    warning (take_bounds.py); imported here, not at the top, so a cache hit never imports TVM."""
     from .fast_math import fast_math
-    return fast_math(mod)
+    from .take_bounds import clip_takes
+    return clip_takes(fast_math(mod))
 
 
 def tvm_target(request: dict):

@@ -18,9 +18,11 @@ from .files import respect_umask
 from .train import ALL_TARGETS, TrainConfig
 
 TRAIN_HELP = {
-    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
-    "data": "training data: .txt, or .jsonl with text / prompt+completion / chat messages "
-            "(default: the bundled Jargon File Q&A corpus)",
+    "model": "HF model directory, .gguf file, or hub id ORG/NAME (ORG/NAME:Q4_K_M for a GGUF repo; the local HF "
+             "cache first) (default: the bundled SmolLM2-135M-Instruct)",
+    "data": "training data: .txt, .jsonl/.json (text, prompt/completion, chat messages, alpaca, sharegpt), "
+            ".parquet/.arrow, a dataset folder, or a hub dataset ORG/NAME[:SPLIT] (default: the bundled "
+            "Jargon File Q&A corpus)",
     "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
     "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/",
     "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
@@ -45,9 +47,20 @@ TRAIN_HELP = {
     "sample_tokens": "tokens generated for the sample (0: no sample)",
     "no_cuda_graph": "cuda: run the training step as plain VM calls instead of CUDA graphs "
                      "(graphs cut the host's work per step from ~15,000 calls to a few hundred)",
+    "progress": "auto (a bar on a terminal, a line per step elsewhere), bar or lines",
+    "report_to": "none, or tensorboard (scalars to OUT/runs; pip install 'lorac[tensorboard]')",
     "compile_only": "compile every graph of the run for --target into --cache-dir and stop; copy the "
                     "cache to the machine that trains (it needs no compiler then)",
 }
+
+
+# the spellings of TRL's SFTConfig / transformers' TrainingArguments and PEFT's LoraConfig, as
+# aliases (any flag may also be written with underscores: --learning_rate)
+ALIASES = {"lr": "--learning-rate", "steps": "--max-steps", "rank": "--lora-r", "alpha": "--lora-alpha",
+           "rslora": "--use-rslora", "seq": "--max-seq-length", "batch": "--per-device-train-batch-size",
+           "grad_accum": "--gradient-accumulation-steps", "out": "--output-dir", "warmup": "--warmup-steps",
+           "targets": "--target-modules", "eval_every": "--eval-steps", "save_every": "--save-steps",
+           "keep_checkpoints": "--save-total-limit"}
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -57,16 +70,23 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = [flag] + ([ALIASES[f.name]] if f.name in ALIASES else [])
         default = getattr(defaults, f.name)
         help_ = TRAIN_HELP.get(f.name, "")
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", default=None, help=help_)
+            p.add_argument(*flags, dest=f.name, action="store_true", default=None, help=help_)
         elif f.name in ("targets", "trained_layers"):
-            p.add_argument(flag, default=None, help=help_)
+            p.add_argument(*flags, dest=f.name, default=None, help=help_)
         else:
             kind = type(default) if default is not None else str
             shown = f" (default: {default})" if default is not None else ""
-            p.add_argument(flag, type=kind, default=None, help=help_ + shown)
+            p.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_ + shown)
+
+
+def _field(key: str) -> str:
+    """A TOML key (flag name or alias, dashes or underscores) -> its TrainConfig field."""
+    flag = "--" + key.replace("_", "-")
+    return next((name for name, alias in ALIASES.items() if alias == flag), key.replace("-", "_"))
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -74,7 +94,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.config:
         import tomllib
         try:
-            values = {k.replace("-", "_"): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
+            values = {_field(k): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
         except FileNotFoundError:
             raise LoracError(f"config file not found: {args.config}") from None
         except tomllib.TOMLDecodeError as e:
@@ -140,10 +160,11 @@ def cmd_eval(args) -> int:
 
 def cmd_generate(args) -> int:
     from .generate import check_sampling, generate, prompt_ids
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window)  # before any loading
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, args.repetition_penalty or 1.0)
     eng, tok, lora = _engine_from_checkpoint(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
-    new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window)
+    new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,
+                   args.repetition_penalty or 1.0)
     print(tok.decode(new))
     return 0
 
@@ -238,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--max-new-tokens", type=int, default=64)
             q.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
             q.add_argument("--top-p", type=float, default=1.0)
+            q.add_argument("--repetition-penalty", type=float, default=None,
+                           help="transformers' repetition penalty (1: none; default: 1)")
             q.add_argument("--seed", type=int, default=0)
             q.add_argument("--window", type=int, default=128, help="static context window of the forward graph")
             q.set_defaults(func=cmd_generate, batch=1)
@@ -265,8 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _dashes(arg: str) -> str:
+    """--learning_rate=x -> --learning-rate=x (the flag's name only, never a value)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [_dashes(a) for a in (sys.argv[1:] if argv is None else argv)]
     if argv and argv[0] == "compile":
         return _guard(lambda: cmd_compile(argv[1:]))
     ap = build_parser()

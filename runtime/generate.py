@@ -12,6 +12,17 @@ import numpy as np
 from .errors import LoracError
 
 
+def penalize_repeats(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
+    """transformers' repetition penalty: the logit of every token already in the context is
+    divided by `penalty` where positive and multiplied by it where negative (1: no change)."""
+    if penalty == 1.0 or not len(seen):
+        return logits
+    idx = np.unique(np.asarray(seen, np.int64))
+    out = logits.copy()
+    out[idx] = np.where(out[idx] > 0, out[idx] / penalty, out[idx] * penalty)
+    return out
+
+
 def sample_token(logits: np.ndarray, rng, temperature: float, top_p: float) -> int:
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -27,17 +38,20 @@ def sample_token(logits: np.ndarray, rng, temperature: float, top_p: float) -> i
     return int(rng.choice(len(p), p=p))
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, window: int) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, window: int,
+                   repetition_penalty: float = 1.0) -> None:
     if max_new_tokens < 1 or window < 2:
         raise LoracError("max_new_tokens must be >= 1 and the window >= 2")
     if not 0 < top_p <= 1 or not np.isfinite(temperature) or temperature < 0:
         raise LoracError(f"top_p must lie in (0, 1] and temperature be >= 0, got {top_p}, {temperature}")
+    if not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise LoracError(f"repetition_penalty must be > 0 (1: none), got {repetition_penalty}")
 
 
 def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, window: int = 128) -> list[int]:
+             top_p: float = 1.0, seed: int = 0, window: int = 128, repetition_penalty: float = 1.0) -> list[int]:
     """New token ids after `prompt_ids` (stops at EOS)."""
-    check_sampling(max_new_tokens, temperature, top_p, window)
+    check_sampling(max_new_tokens, temperature, top_p, window, repetition_penalty)
     rng = np.random.default_rng(seed)
     ctx = [int(t) for t in prompt_ids]
     if not ctx:
@@ -47,8 +61,8 @@ def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32
         view = ctx[-window:]
         ids = np.full((1, window), tokenizer.eos_id, np.int64)
         ids[0, : len(view)] = view
-        logits = engine.logits(ids, lora)[0, len(view) - 1]
-        tok = sample_token(logits.astype(np.float64), rng, temperature, top_p)
+        logits = penalize_repeats(engine.logits(ids, lora)[0, len(view) - 1].astype(np.float64), view, repetition_penalty)
+        tok = sample_token(logits, rng, temperature, top_p)
         if tok == tokenizer.eos_id:
             break
         ctx.append(tok)

@@ -20,6 +20,7 @@ from lorac.graphs.spec import ALL_TARGETS  # noqa: F401 - the CLI's help lists t
 
 from .errors import LoracError
 from .files import respect_umask
+from .report import Report, compile_all
 
 
 @dataclass
@@ -60,6 +61,8 @@ class TrainConfig:
     sample_tokens: int = 32
     compile_only: bool = False  # fill the artifact cache for --target and stop (no device needed)
     no_cuda_graph: bool = False  # cuda: run the training step as plain VM calls, not CUDA graphs
+    progress: str = "auto"  # a bar on a terminal, a line per step elsewhere (report.py)
+    report_to: str = "none"  # "tensorboard": scalars to OUT/runs too
     extra: dict = field(default_factory=dict)
 
     def validate(self):
@@ -77,6 +80,8 @@ class TrainConfig:
             raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        from .report import check_report_settings
+        check_report_settings(self.progress, self.report_to)
 
     def layer_range(self, n_layers: int):
         if not self.trained_layers:
@@ -244,13 +249,18 @@ def _jsonable(x):
     return json.loads(json.dumps(x, default=str))
 
 
-def precompile(run: Run) -> dict:
-    """Compile every graph the run would use into the cache (compile here, train elsewhere)."""
+def graph_kinds(run: Run) -> list[str]:
+    """The graphs the run uses (Engine.compile's kinds)."""
     kinds = ["train", "adamw"] + (["eval"] if run.cfg.eval_batches else [])
     _, ids = _sample_ids(run)
     if ids is not None:
         kinds.append(f"forward:1,{_window(len(ids), run.cfg)}")
-    arts = {k: str(run.engine.compile(k)) for k in kinds}
+    return kinds
+
+
+def precompile(run: Run) -> dict:
+    """Compile every graph the run would use into the cache (compile here, train elsewhere)."""
+    arts = {k: str(run.engine.compile(k)) for k in graph_kinds(run)}
     run.log(f"compiled {len(arts)} artifacts for {run.cfg.target} into {run.cfg.cache_dir}")
     return {"compiled": arts}
 
@@ -270,18 +280,15 @@ def train(cfg: TrainConfig, log=None) -> dict:
     batches = run.data.batches(cfg.batch, seed=cfg.seed, state=st["data"])
     eng = run.engine
     eng.set_state(st["lora"], st["m"], st["v"])
-    metrics = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
-
-    def emit(rec):
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
-
+    report = Report(out, cfg.progress, cfg.report_to, cfg.resume, log)
+    log = run.log = eng.log = report.log  # above the progress bar, where there is one
+    compile_all(eng, graph_kinds(run), cfg.progress)
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # Ctrl-C: finish the step, save, exit
     first_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
     if first_eval is not None:
         if not cfg.resume:
-            emit(dict(step=st["step"], eval_loss=first_eval))
+            report.eval(st["step"], first_eval)
         log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
     base_sample = show_sample(run, eng.lora, "base model") if not cfg.resume else None
     tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
@@ -313,19 +320,17 @@ def train(cfg: TrainConfig, log=None) -> dict:
         dt = time.perf_counter() - t0
         done = st["step"] - start_step
         eta = (time.perf_counter() - t_start) / done * (cfg.steps - st["step"])
-        emit(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
-                  tokens_per_s=tokens_per_step / dt, step_s=dt))
-        log(f"step {st['step']:5d}/{cfg.steps} | loss {loss:.4f} | lr {lr_a:.2e} | gnorm {gnorm:.3f} | "
-            f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.0f} ms | eta {eta:5.0f} s")
+        report.step(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
+                         tokens_per_s=tokens_per_step / dt, step_s=dt), cfg.steps, eta)
         if cfg.eval_batches and (st["step"] % cfg.eval_every == 0 or st["step"] == cfg.steps):
             ev = run.evaluate(eng.lora)
-            emit(dict(step=st["step"], eval_loss=ev))
+            report.eval(st["step"], ev)
             log(f"eval loss after step {st['step']}: {ev:.4f}")
         if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
             path = run.save(st, batches)
             respect_umask(path)
             log(f"checkpoint: {path}")
-    metrics.close()
+    report.close()
     interrupted = st["step"] < cfg.steps  # a Ctrl-C after the last step does not count
     final_eval = run.evaluate(eng.lora) if cfg.eval_batches and not interrupted else None
     if final_eval is not None:
