@@ -32,13 +32,22 @@ def tvm_target(request: dict):
 
 
 def check_environment(request: dict) -> None:
-    """Linking the library needs a C compiler (the system `cc`), which any dev box has."""
+    """Linking the library needs the C compiler TVM links with: $CXX or $CC, else g++, gcc,
+    clang++, clang, c++ or cc on Linux and macOS; clang (or $TVM_WIN_CC) on Windows."""
+    import os
     import shutil
+    import sys
 
     from lorac.runtime.errors import LoracError
 
-    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")):
-        raise LoracError("target cpu needs a C compiler (cc/gcc) to link the artifact library")
+    if sys.platform == "win32":
+        if not shutil.which(os.environ.get("TVM_WIN_CC", "clang")):
+            raise LoracError("target cpu needs clang on the PATH (or TVM_WIN_CC) to link the artifact library")
+        return
+    from tvm.support.cc import get_cc
+    if not get_cc():
+        raise LoracError("target cpu needs a C compiler (g++, gcc, clang or cc on the PATH, or $CC) to link the "
+                         "artifact library")
 
 
 def tune(mod, target, trials: int, cache_dir):

@@ -70,7 +70,10 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    # a directory fsync makes the names inside it (new files, renames) durable
+    # a directory fsync makes the names inside it (new files, renames) durable; Windows cannot
+    # open a directory as a file, and NTFS commits renames with its metadata journal
+    if os.name == "nt":
+        return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)

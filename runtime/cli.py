@@ -120,7 +120,7 @@ def cmd_train(args) -> int:
 
 
 def _engine_from_checkpoint(args):
-    """(Run-like objects) for eval/generate: the model and LoRA of a checkpoint, or the base model."""
+    """(engine, tokenizer, LoRA, model source) for eval/generate: a checkpoint's model and LoRA, or the base model."""
     from lorac.graphs import ModelSpec, TrainSpec
 
     from .checkpoint import load_checkpoint
@@ -142,12 +142,12 @@ def _engine_from_checkpoint(args):
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
         import numpy as np
         lora = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
-    return eng, tok, lora
+    return eng, tok, lora, source
 
 
 def cmd_eval(args) -> int:
     from .data import load_dataset
-    eng, tok, lora = _engine_from_checkpoint(args)
+    eng, tok, lora, _ = _engine_from_checkpoint(args)
     data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data)
     total = count = 0.0
     for b in data.eval_batches(eng.train.batch):
@@ -160,11 +160,13 @@ def cmd_eval(args) -> int:
 
 def cmd_generate(args) -> int:
     from .generate import check_sampling, generate, prompt_ids
+    from .generate import model_repetition_penalty
     check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, args.repetition_penalty or 1.0)
-    eng, tok, lora = _engine_from_checkpoint(args)
+    eng, tok, lora, source = _engine_from_checkpoint(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
+    penalty = args.repetition_penalty or model_repetition_penalty(source.path) or 1.0
     new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,
-                   args.repetition_penalty or 1.0)
+                   penalty)
     print(tok.decode(new))
     return 0
 
@@ -260,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
             q.add_argument("--top-p", type=float, default=1.0)
             q.add_argument("--repetition-penalty", type=float, default=None,
-                           help="transformers' repetition penalty (1: none; default: 1)")
+                           help="transformers' repetition penalty (1: none; default: the model's "
+                                "generation_config.json, else 1)")
             q.add_argument("--seed", type=int, default=0)
             q.add_argument("--window", type=int, default=128, help="static context window of the forward graph")
             q.set_defaults(func=cmd_generate, batch=1)

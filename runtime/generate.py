@@ -12,6 +12,29 @@ import numpy as np
 from .errors import LoracError
 
 
+# The before/after samples of `lorac train` decode greedily with this repetition penalty unless
+# the model's generation_config.json names one. Greedy decoding without a penalty sent the demo's
+# adapted SmolLM2-135M into a loop ("A longjohn is a longjohn is a longjohn ...") while its eval
+# loss fell 4.52 -> 3.95; with 1.2 the same adapter answered in the corpus' manner ("A term used
+# to describe ... See also asbestos jowl"), as it did on 10 of 12 held-out prompts tried.
+SAMPLE_REPETITION_PENALTY = 1.2
+
+
+def model_repetition_penalty(model_path) -> float | None:
+    """repetition_penalty from an HF model directory's generation_config.json, if it sets one."""
+    import json
+    import os
+    path = os.path.join(os.fspath(model_path), "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            value = json.load(f).get("repetition_penalty")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 def penalize_repeats(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
     """transformers' repetition penalty: the logit of every token already in the context is
     divided by `penalty` where positive and multiplied by it where negative (1: no change)."""

@@ -225,12 +225,14 @@ def _sample_ids(run):
 
 
 def show_sample(run, lora, label: str) -> str | None:
-    from .generate import generate
+    from .generate import SAMPLE_REPETITION_PENALTY, generate, model_repetition_penalty
     prompt, ids = _sample_ids(run)
     if prompt is None:
         return None
     tok = run.tokenizer
-    text = tok.decode(generate(run.engine, tok, ids, lora, run.cfg.sample_tokens, window=_window(len(ids), run.cfg)))
+    penalty = model_repetition_penalty(run.source.path) or SAMPLE_REPETITION_PENALTY
+    text = tok.decode(generate(run.engine, tok, ids, lora, run.cfg.sample_tokens, window=_window(len(ids), run.cfg),
+                               repetition_penalty=penalty))
     run.log(f"--- sample ({label}) ---\n> {prompt}\n{text}\n---")
     return text
 

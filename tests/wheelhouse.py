@@ -6,6 +6,7 @@ installed in this environment (a wheel is a zip of the installed files plus thei
 from __future__ import annotations
 
 import importlib.metadata as md
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -55,9 +56,13 @@ def repack(dist: md.Distribution, folder: Path) -> Path:
 
 
 def build_wheelhouse(folder: Path) -> Path:
+    """lorac's wheel, built from a copy of the checkout (setuptools leaves build/ where it builds),
+    and its core dependencies' wheels, in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
+    src = folder.parent / "lorac-src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "lorac-out"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(folder), str(ROOT)], check=True, capture_output=True, timeout=600)
+                    "-w", str(folder), str(src)], check=True, capture_output=True, timeout=600)
     for dist in core_closure():
         repack(dist, folder)
     return folder
