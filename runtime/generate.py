@@ -16,7 +16,8 @@ from .errors import LoracError
 # the model's generation_config.json names one. Greedy decoding without a penalty sent the demo's
 # adapted SmolLM2-135M into a loop ("A longjohn is a longjohn is a longjohn ...") while its eval
 # loss fell 4.52 -> 3.95; with 1.2 the same adapter answered in the corpus' manner ("A term used
-# to describe ... See also asbestos jowl"), as it did on 10 of 12 held-out prompts tried.
+# to describe ... See also asbestos jowl"), and on each of the first 12 held-out prompts it opened
+# as a Jargon File entry does (docs/RUNTIME.md).
 SAMPLE_REPETITION_PENALTY = 1.2
 
 
