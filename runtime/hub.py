@@ -17,9 +17,11 @@ from pathlib import Path
 from .errors import LoracError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
-# what an HF model directory needs for lorac to train and export it
-HF_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-            "tokenizer.model", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"]
+# what an HF model directory needs for lorac to train and export it (transformers' weight file
+# names only: Mistral repos also hold a consolidated.safetensors copy of every weight)
+HF_FILES = ["config.json", "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+            "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+            "chat_template.jinja", "generation_config.json"]
 DEFAULT_QUANT = "Q4_K_M"
 
 
@@ -90,7 +92,7 @@ def _in_cache(folder: Path, quant, repo: str):
     except LoracError:
         return None
     if chosen is None:
-        return folder if any(f.endswith(".safetensors") for f in files) else None
+        return folder if {"model.safetensors", "model.safetensors.index.json"} & set(files) else None
     return folder / chosen
 
 
