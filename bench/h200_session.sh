@@ -24,5 +24,5 @@ if [ -d $D/mart ]; then
   python3 bench/h200_check.py device $D/mart $OUT 2>&1 | tail -n 6
 fi
 echo "== peers"
-python3 bench/peer_smollm2_gpu.py 4x128 8x1024 2>&1 | grep -v Warning | tail -n 6
+for s in 4x128 8x1024; do python3 bench/peer_lora_gpu.py smollm2-135m $s eager compile; done 2>&1 | grep -v Warning | tail -n 6
 [ -d $D/mart ] && timeout 240 python3 bench/peer_mamba_gpu.py 8x1024 1 2>&1 | tail -n 2

@@ -1,4 +1,4 @@
-"""Shared by the torch+PEFT GPU peers (peer_mamba_gpu.py, peer_smollm2_gpu.py): the LoRA+
+"""Shared by the torch+PEFT GPU peers (peer_mamba_gpu.py, peer_lora_gpu.py): the LoRA+
 AdamW they train with and how a training step is timed."""
 import time
 

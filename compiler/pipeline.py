@@ -13,7 +13,8 @@
 The target modules (target_*.py) share one small interface: FAMILY, DEVICE,
 GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(mod),
 relax_passes(target), export(executable, art_dir, target) -> manifest fields; optional:
-pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu).
+pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu),
+native_units(dtype) (the lorac units it maps whole: units.py; the rest are inlined).
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ import onnx
 
 from lorac.runtime.errors import LoracError
 
+from lorac.graphs.builder import DOMAIN
+
 from . import manifest as mf
+from .units import frontend_with, split_units
 
 FAMILIES = ("cpu", "cuda", "rocm", "metal", "webgpu", "opencl", "aarch64")
 _KIND_FAMILY = {"cuda": "cuda", "rocm": "rocm", "metal": "metal", "webgpu": "webgpu", "opencl": "opencl"}
@@ -77,12 +81,14 @@ def _load_onnx(model) -> tuple[onnx.ModelProto, str]:
     return proto, mf.sha256_bytes(data)
 
 
-def check_supported_ops(model: onnx.ModelProto) -> None:
-    """Reject up front, naming every op, what TVM's ONNX frontend cannot convert."""
+def check_supported_ops(model: onnx.ModelProto, mapped: tuple = ()) -> None:
+    """Reject up front, naming every op, what TVM's ONNX frontend cannot convert (`mapped`:
+    the lorac units this build converts itself, compiler/units.py)."""
     from tvm.relax.frontend.onnx import onnx_frontend
 
-    known = set(onnx_frontend._get_convert_map())
-    bad_domain = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
+    known = set(onnx_frontend._get_convert_map()) | set(mapped)
+    bad_domain = sorted({n.domain for n in model.graph.node
+                         if n.domain not in ("", "ai.onnx") and not (n.domain == DOMAIN and n.op_type in mapped)})
     if bad_domain:
         raise LoracError(f"graph uses ONNX domains {bad_domain}; TVM reads only the default domain")
     missing = sorted({n.op_type for n in model.graph.node} - known)
@@ -110,6 +116,25 @@ def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
     if len(rets) != len(names):
         raise LoracError(f"compiled function returns {len(rets)} values for {len(names)} graph outputs")
     return inputs, [entry(n, t) for n, t in zip(names, rets)]
+
+
+def import_onnx(proto: onnx.ModelProto, tmod, dtype: str):
+    """TVM's ONNX frontend over `proto` for target module `tmod`: the lorac units the target
+    maps stay whole (converted by its converters), the others are inlined (units.py).
+    -> (Relax module, names of the mapped units, the distinct calls they make: manifest
+    `unit_calls`)."""
+    import warnings
+
+    from tvm.relax.frontend.onnx import from_onnx
+
+    native = tmod.native_units(dtype) if hasattr(tmod, "native_units") else {}
+    proto, units = split_units(proto, native)
+    check_supported_ops(proto, tuple(units))
+    with warnings.catch_warnings(), frontend_with({u: native[u] for u in units}):
+        warnings.simplefilter("ignore")  # one "Renaming name" warning per dotted input
+        mod = from_onnx(proto, keep_params_in_input=False)
+    calls = {json.dumps(c, sort_keys=True): c for u in units for c in getattr(native[u], "unit_calls", [])}
+    return mod, units, list(calls.values())
 
 
 def bind_all_inputs(mod):
@@ -181,14 +206,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     if getattr(tmod, "ISOLATE_BUILD", False) and not os.environ.get(_ISOLATED):
         return _build_in_child(proto, request, art_dir, dtype, family)
     t0 = time.perf_counter()
-    import warnings
-
-    from tvm.relax.frontend.onnx import from_onnx
-
-    check_supported_ops(proto)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # one "Renaming name" warning per dotted input
-        mod = from_onnx(proto, keep_params_in_input=False)
+    mod, units, unit_calls = import_onnx(proto, tmod, dtype)
     mod = tmod.prepare(mod)
     if dtype == "bfloat16":
         from .precision import frozen_weights_to_bf16
@@ -196,8 +214,10 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     gemm = {"dispatched": 0, "left_to_tvm": []}
     if tmod.GEMM_LIBRARY:
         from .gemm import dispatch_gemms
+        from .gemm_sum import fuse_gemm_sums
         mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
-        gemm = {"dispatched": n, "left_to_tvm": left}
+        mod, acc = fuse_gemm_sums(mod)
+        gemm = {"dispatched": n, "left_to_tvm": left, "accumulating": acc}
     inputs, outputs = _signature(proto, mod["main"])
     bound = bool(getattr(tmod, "binds_inputs", lambda _r: False)(request))
     if bound:
@@ -240,7 +260,8 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         "target": {"family": family, "request": request, "device": tmod.DEVICE,
                    "tvm": _target_json(tvm_target)},
         "library": files.pop("library"),
-        "inputs": inputs, "outputs": outputs, "gemm": gemm, "bound_inputs": bound,
+        "inputs": inputs, "outputs": outputs, "gemm": gemm, "units": units, "bound_inputs": bound,
+        "unit_calls": unit_calls,
         "memory": plan,
         "extra": files,
         "compile_seconds": {"import": round(t_import, 3), "build": round(t_build, 3),

@@ -55,6 +55,15 @@ def binds_inputs(request: dict) -> bool:
     return bool(request.get("cuda_graph", False))
 
 
+def native_units(dtype: str) -> dict:
+    """bf16 builds map the attention units to cuDNN's fused SDPA (attention_cudnn.py);
+    cuDNN has no fp32 SDPA, so fp32 builds inline them as TVM kernels."""
+    if dtype != "bfloat16":
+        return {}
+    from .attention_cudnn import converters
+    return converters()
+
+
 def _nvcc() -> str | None:
     return shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
 

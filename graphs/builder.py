@@ -2,8 +2,10 @@
 
 onnx-ir (the IR under onnxscript) is a well-kept in-memory ONNX representation; lorac adds
 only what every emitter needs: unique node names (onnxruntime's optimizer rejects
-duplicates), de-duplicated constants, and a `finish` that runs shape inference and the
-full checker, so every graph that leaves lorac.graphs has static shapes on every value.
+duplicates), de-duplicated constants, *units* (a call of an ONNX local function in the
+lorac domain, whose body is default-domain ops: `call`), and a `finish` that runs shape
+inference and the full checker, so every graph that leaves lorac.graphs has static shapes
+on every value.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import onnx_ir as ir
 
 OPSET = 18  # highest opset both TVM 0.27's frontend and onnxruntime 1.19 handle fully
 IR_VERSION = 9  # onnxruntime-training 1.19 reads IR <= 10
+DOMAIN = "lorac"  # the domain of lorac's units (local functions); version 1
 
 FLOAT = ir.DataType.FLOAT
 INT64 = ir.DataType.INT64
@@ -33,6 +36,7 @@ class GraphBuilder:
         self._consts: dict[tuple, ir.Value] = {}
         self._count = 0
         self.scope = ""  # prefix for node names, e.g. "L3.fwd"
+        self.functions: dict[tuple, ir.Function] = {}  # (domain, name, overload) -> body
 
     # -- values -------------------------------------------------------------------------
     def input(self, name: str, shape, dtype=None) -> ir.Value:
@@ -76,6 +80,34 @@ class GraphBuilder:
         self.nodes.append(node)
         return node.outputs[0] if n_out == 1 else tuple(node.outputs)
 
+    def call(self, name: str, variant: str, inputs: list, n_out: int, body):
+        """A unit: one node calling the local function (lorac, name), whose body
+        `body(fb, *params) -> outputs` is emitted once with a FunctionBuilder. The checker
+        and any ONNX runtime inline the body; a compiler may map the unit whole to a kernel
+        of its own (lorac.compiler.units). `variant` names what the body bakes in (shapes,
+        dtype; values that may vary are inputs): a graph holds one variant of each unit
+        (IR 9 has no function overloads)."""
+        key = (DOMAIN, name)
+        if key not in self.functions:
+            fb = FunctionBuilder(f"{name}", self.np_float)
+            params = [fb.param(f"in{i}") for i in range(len(inputs))]
+            outs = body(fb, *params)
+            outs = [outs] if isinstance(outs, ir.Value) else list(outs)
+            fb.scope = ""
+            self.functions[key] = ir.Function(
+                DOMAIN, name, attributes=[],
+                graph=ir.Graph(params, [fb.op("Identity", o) for o in outs], nodes=fb.nodes,
+                               opset_imports={"": OPSET}, name=name, doc_string=variant))
+        elif self.functions[key].doc_string != variant:
+            raise ValueError(f"unit {name}: variant {variant} in a graph that already has {self.functions[key].doc_string}")
+        self._count += 1
+        node_name = f"{self.scope}/{name}_{self._count}" if self.scope else f"{name}_{self._count}"
+        node = ir.Node(DOMAIN, name, list(inputs), num_outputs=n_out, name=node_name)
+        for i, out in enumerate(node.outputs):
+            out.name = f"{node_name}:{i}"
+        self.nodes.append(node)
+        return node.outputs[0] if n_out == 1 else tuple(node.outputs)
+
     def output(self, value: ir.Value, name: str) -> ir.Value:
         """Expose `value` under `name`; an Identity keeps graph inputs and outputs distinct."""
         out = self.op("Identity", value)
@@ -90,6 +122,15 @@ class GraphBuilder:
     def mm_t(self, a, b):
         """a @ b^T for 2-D b (HF weights are [out, in])."""
         return self.op("MatMul", a, self.op("Transpose", b, perm=[1, 0]))
+
+    def add_all(self, *xs):
+        """x1 + x2 + ... as a chain of Adds (TVM's frontend turns ONNX Sum into stack + sum,
+        a copy of every term; a chain fuses, and one over GEMM results becomes a single
+        accumulating GEMM: compiler/gemm_sum.py)."""
+        out = xs[0]
+        for x in xs[1:]:
+            out = self.op("Add", out, x)
+        return out
 
     def reshape(self, x, *shape: int):
         return self.op("Reshape", x, self.ints(*shape))
@@ -108,28 +149,66 @@ class GraphBuilder:
 
     # -- finish -------------------------------------------------------------------------
     def finish(self, doc: str = "") -> onnx.ModelProto:
+        opsets = {"": OPSET, **({DOMAIN: 1} if self.functions else {})}
         graph = ir.Graph(self.inputs, self.outputs, nodes=self.nodes, initializers=self.initializers,
-                         opset_imports={"": OPSET}, name=self.name, doc_string=doc or None)
-        proto = ir.to_proto(ir.Model(graph, ir_version=IR_VERSION, producer_name="lorac"))
+                         opset_imports=opsets, name=self.name, doc_string=doc or None)
+        proto = ir.to_proto(ir.Model(graph, ir_version=IR_VERSION, producer_name="lorac",
+                                     functions=list(self.functions.values())))
         proto.graph.ClearField("value_info")
         proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
         onnx.checker.check_model(proto, full_check=True)
         return proto
 
 
+class FunctionBuilder(GraphBuilder):
+    """Emits a unit's body: constants become Constant nodes (a function has no
+    initializers), inputs are the function's parameters."""
+
+    def param(self, name: str) -> ir.Value:
+        v = ir.Value(name=name)
+        self.inputs.append(v)
+        return v
+
+    def const(self, array, dtype=None) -> ir.Value:
+        arr = np.asarray(array, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        hit = self._consts.get(key)
+        if hit is None:
+            hit = self._consts[key] = self.op("Constant", value=ir.tensor(arr))
+        return hit
+
+
+def _attr(k: str, v):
+    if isinstance(v, ir.Tensor):
+        return ir.AttrTensor(k, v)
+    if isinstance(v, float):
+        return ir.AttrFloat32(k, v)
+    if isinstance(v, bool):
+        return ir.AttrInt64(k, int(v))
+    if isinstance(v, int):
+        return ir.AttrInt64(k, v)
+    if isinstance(v, (list, tuple)):
+        return ir.AttrInt64s(k, [int(i) for i in v])
+    if isinstance(v, str):
+        return ir.AttrString(k, v)
+    raise TypeError(f"attribute {k}={v!r}")
+
+
 def _attrs(attrs: dict) -> dict:
-    out = {}
-    for k, v in attrs.items():
-        if isinstance(v, float):
-            out[k] = ir.AttrFloat32(k, v)
-        elif isinstance(v, bool):
-            out[k] = ir.AttrInt64(k, int(v))
-        elif isinstance(v, int):
-            out[k] = ir.AttrInt64(k, v)
-        elif isinstance(v, (list, tuple)):
-            out[k] = ir.AttrInt64s(k, [int(i) for i in v])
-        elif isinstance(v, str):
-            out[k] = ir.AttrString(k, v)
-        else:
-            raise TypeError(f"attribute {k}={v!r}")
+    return {k: _attr(k, v) for k, v in attrs.items()}
+
+
+def inline_units(model: onnx.ModelProto, keep: tuple[str, ...] = ()) -> onnx.ModelProto:
+    """`model` with every unit call replaced by its body, except units named in `keep`
+    (those stay calls, for a compiler that maps them whole). Plain ONNX results: what
+    autodiff tools and frontends that read only the default domain need."""
+    from onnx import inliner
+
+    ids = [(f.domain, f.name) for f in model.functions if f.name not in keep]
+    if not ids:
+        return model
+    out = inliner.inline_selected_functions(model, ids, exclude=False)
+    if not keep:
+        del out.opset_import[:]
+        out.opset_import.extend(i for i in model.opset_import if i.domain != DOMAIN)
     return out

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import attention_backward, attention_forward, causal_mask
+from .attention import attention_backward, attention_forward
 from .builder import GraphBuilder
-from .linear import Proj, add_lora, linear_backward, linear_forward
+from .linear import Proj, add_lora, linear_backward, linear_forward, linear_group_forward
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
+
+
+QKV = ("q_proj", "k_proj", "v_proj")  # projections of the same input: LoRA A's in one GEMM
+GATE_UP = ("gate_proj", "up_proj")
 
 
 @dataclass
@@ -35,8 +39,8 @@ class Ctx:
         B, S = train.batch, train.seq
         self.dims = (B, spec.kv_heads, spec.group, S, spec.head_dim)
         cos, sin = rope_tables(S, spec.head_dim, spec.rope_theta)
-        self.cos, self.sin = g.fconst(cos), g.fconst(sin)
-        self.mask = causal_mask(g, S, spec.group)
+        # [S, 1, Dh]: broadcast over the heads of token-major [B, S, heads, Dh] activations
+        self.cos, self.sin = g.fconst(cos[:, None, :]), g.fconst(sin[:, None, :])
 
 
 def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
@@ -75,28 +79,24 @@ def layer_forward(c: Ctx, x, L: Layer):
     B, K, G, S, Dh = c.dims
     N = B * S
     h1, n1 = rmsnorm_forward(g, x, L.in_norm, spec.rms_eps)
-    q, uq = linear_forward(g, h1, L.proj["q_proj"])
-    k, uk = linear_forward(g, h1, L.proj["k_proj"])
-    v, uv = linear_forward(g, h1, L.proj["v_proj"])
+    (q, k, v), u_qkv = linear_group_forward(g, h1, [L.proj[t] for t in QKV])
+    # token-major heads [B, S, heads, Dh] throughout: no layout changes around attention
     q4, k4 = _heads(g, q, K * G, c), _heads(g, k, K, c)
     nq = nk = None
     if spec.qk_norm:
         q4, nq = rmsnorm_forward(g, q4, L.q_norm, spec.rms_eps)
         k4, nk = rmsnorm_forward(g, k4, L.k_norm, spec.rms_eps)
-    qr = rope_forward(g, g.transpose(q4, 0, 2, 1, 3), c.cos, c.sin, Dh)
-    kr = rope_forward(g, g.transpose(k4, 0, 2, 1, 3), c.cos, c.sin, Dh)
-    v4 = g.transpose(_heads(g, v, K, c), 0, 2, 1, 3)
-    att, sa = attention_forward(g, qr, kr, v4, c.mask, c.dims)
-    a2 = g.reshape(g.transpose(att, 0, 2, 1, 3), N, K * G * Dh)
+    qr = rope_forward(g, q4, c.cos, c.sin, Dh)
+    kr = rope_forward(g, k4, c.cos, c.sin, Dh)
+    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims)
+    a2 = g.reshape(att, N, K * G * Dh)
     o, uo = linear_forward(g, a2, L.proj["o_proj"])
     x1 = g.op("Add", x, o)
     h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
-    gt, ug = linear_forward(g, h2, L.proj["gate_proj"])
-    up, uu = linear_forward(g, h2, L.proj["up_proj"])
+    (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
     act, sg = swiglu_forward(g, gt, up)
     dn, ud = linear_forward(g, act, L.proj["down_proj"])
-    saved = dict(h1=h1, n1=n1, u=dict(q_proj=uq, k_proj=uk, v_proj=uv, o_proj=uo, gate_proj=ug,
-                                        up_proj=uu, down_proj=ud),
+    saved = dict(h1=h1, n1=n1, u=dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo, down_proj=ud),
                  nq=nq, nk=nk, sa=sa, a2=a2, h2=h2, n2=n2, gt=gt, up=up, sg=sg, act=act)
     return g.op("Add", x1, dn), saved
 
@@ -118,24 +118,23 @@ def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dact = proj_back(dy, s["act"], "down_proj")
     dgt, dup = swiglu_backward(g, dact, s["gt"], s["up"], s["sg"])
-    dh2 = g.op("Add", proj_back(dgt, s["h2"], "gate_proj"), proj_back(dup, s["h2"], "up_proj"))
+    dh2 = g.add_all(proj_back(dgt, s["h2"], "gate_proj"), proj_back(dup, s["h2"], "up_proj"))
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s["n2"]))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
     da2 = proj_back(dx1, s["a2"], "o_proj")
-    datt = g.transpose(g.reshape(da2, B, S, K * G, Dh), 0, 2, 1, 3)
-    dqr, dkr, dv4 = attention_backward(g, datt, s["sa"], c.dims)
-    dq4 = g.transpose(rope_backward(g, dqr, c.cos, c.sin, Dh), 0, 2, 1, 3)
-    dk4 = g.transpose(rope_backward(g, dkr, c.cos, c.sin, Dh), 0, 2, 1, 3)
+    dqr, dkr, dv4 = attention_backward(g, g.reshape(da2, B, S, K * G, Dh), s["sa"], c.dims)
+    dq4 = rope_backward(g, dqr, c.cos, c.sin, Dh)
+    dk4 = rope_backward(g, dkr, c.cos, c.sin, Dh)
     if spec.qk_norm:
         dq4 = rmsnorm_backward(g, dq4, L.q_norm, s["nq"])
         dk4 = rmsnorm_backward(g, dk4, L.k_norm, s["nk"])
     dq = g.reshape(dq4, N, K * G * Dh)
     dk = g.reshape(dk4, N, K * Dh)
-    dv = g.reshape(g.transpose(dv4, 0, 2, 1, 3), N, K * Dh)
-    dh1 = [proj_back(d, s["h1"], t, need_dx) for d, t in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj"))]
+    dv = g.reshape(dv4, N, K * Dh)
+    dh1 = [proj_back(d, s["h1"], t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
     if not need_dx:
         return None
-    dh1 = g.op("Sum", *dh1)
+    dh1 = g.add_all(*dh1)  # one accumulating GEMM chain on GPUs (compiler/gemm_sum.py)
     return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s["n1"]))
 
 

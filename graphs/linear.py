@@ -50,3 +50,29 @@ def linear_backward(g, dy, x, u, p: Proj, need_dx: bool = True):
         if p.a is not None:
             dx = g.op("Add", dx, g.matmul(du, p.a))
     return dx, da, db
+
+
+def linear_group_forward(g, x, projs: list):
+    """Projections that read the same x (q/k/v; gate/up): each frozen GEMM as linear_forward,
+    but the adapted ones' A matrices concatenated into one [k*r, in], so x meets them in one
+    GEMM instead of k thin ones. -> (outputs, u per projection or None). The backward is
+    linear_backward per projection with its u (a slice of the batched one)."""
+    lora = [p for p in projs if p.a is not None]
+    if len(lora) < 2:
+        outs = [linear_forward(g, x, p) for p in projs]
+        return [y for y, _ in outs], [u for _, u in outs]
+    r = int(lora[0].a.shape[0])
+    u_all = g.op("Mul", g.mm_t(x, g.op("Concat", *[p.a for p in lora], axis=0)), g.f(lora[0].scale))
+    ys, us, i = [], [], 0
+    for p in projs:
+        y = g.mm_t(x, p.w)
+        if p.bias is not None:
+            y = g.op("Add", y, p.bias)
+        u = None
+        if p.a is not None:  # y += u_i B_i^T, u_i the i-th adapted block of u_all
+            u = g.slice(u_all, i * r, (i + 1) * r, 1)
+            y = g.op("Add", y, g.mm_t(u, p.b))
+            i += 1
+        ys.append(y)
+        us.append(u)
+    return ys, us

@@ -52,6 +52,17 @@ def ce_forward_backward(g, h, head, safe, weight, vocab: int):
     return loss, g.matmul(dlogits, head)
 
 
+def auto_chunk(vocab: int, tokens: int, budget: int = 3 << 29) -> int:
+    """Tokens per loss chunk so that one chunk's fp32 logits [chunk, V] take at most `budget` (1.5 GiB)
+    bytes: a power of two >= 256, or 0 (one chunk) when all tokens fit. On the H200 the
+    Qwen3-0.6B step at 8x1024 (V = 151936) plans 36.6 GB with one chunk and 28.8 GB with
+    2048-token chunks (docs/BENCHMARKS.md)."""
+    chunk = 256
+    while chunk * 2 * vocab * 4 <= budget:
+        chunk *= 2
+    return 0 if chunk >= tokens else chunk
+
+
 def _chunks(g, n: int, chunk: int):
     """Row selectors for `chunk`-token pieces of [N, ...] values (one piece when chunk is 0)."""
     if chunk <= 0 or chunk >= n:

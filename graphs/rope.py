@@ -1,6 +1,8 @@
 """Rotary position embedding in HF's rotate-half convention, forward and backward.
 
-Shapes: x [B, h, S, Dh]; cos, sin [S, Dh] (both halves repeat the same frequencies).
+Shapes: x [..., Dh] with the sequence axis where cos, sin broadcast to it: [S, Dh] for
+[B, h, S, Dh], [S, 1, Dh] for token-major [B, S, h, Dh] (both halves repeat the same
+frequencies).
 rot(x) = concat(-x2, x1) for halves x1, x2 of the last axis.
 """
 from __future__ import annotations
@@ -18,17 +20,17 @@ def rope_tables(seq: int, head_dim: int, theta: float):
 
 
 def _halves(g, x, half: int):
-    return g.slice(x, 0, half, 3), g.slice(x, half, 2 * half, 3)
+    return g.slice(x, 0, half, -1), g.slice(x, half, 2 * half, -1)
 
 
 def rope_forward(g, x, cos, sin, head_dim: int):
     # y = x*cos + rot(x)*sin
     x1, x2 = _halves(g, x, head_dim // 2)
-    rot = g.op("Concat", g.op("Neg", x2), x1, axis=3)
+    rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
     return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
 
 
 def rope_backward(g, dy, cos, sin, head_dim: int):
     # rot is the linear map R = [[0, -I], [I, 0]], so dx = dy*cos + R^T (dy*sin), R^T t = concat(t2, -t1)
     t1, t2 = _halves(g, g.op("Mul", dy, sin), head_dim // 2)
-    return g.op("Add", g.op("Mul", dy, cos), g.op("Concat", t2, g.op("Neg", t1), axis=3))
+    return g.op("Add", g.op("Mul", dy, cos), g.op("Concat", t2, g.op("Neg", t1), axis=-1))

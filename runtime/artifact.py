@@ -173,6 +173,7 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
 
     from . import gemm
     gemm.register()
+    gemm.register_accumulating(m.get("gemm", {}).get("accumulating", []))
     if device == "cuda":
         from . import cuda_loader
         cuda_loader.prepare(art_dir, m)
@@ -181,6 +182,9 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
             raise LoracError("device cuda requested but no CUDA GPU is visible")
     else:
         dev = tvm.cpu(0)
+    if m.get("unit_calls") and device == "cuda":  # fused attention on cuDNN: plans built now
+        from . import attention_cuda
+        attention_cuda.prepare(m, dev)
     lib = tvm.runtime.load_module(str(lib_path))
     vm = tvm_vm.VirtualMachine(lib, dev)
     return Step(vm, m, dev, device)

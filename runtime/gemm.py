@@ -146,6 +146,42 @@ def _layout(ta: bool, tb: bool):
     return call
 
 
+def _cpu_gemm_add(ta: bool, tb: bool, a, b, out) -> None:
+    x, y, o = np.from_dlpack(a), np.from_dlpack(b), np.from_dlpack(out)
+    _single_threaded_blas()
+    o += np.matmul(np.swapaxes(x, -1, -2) if ta else x, np.swapaxes(y, -1, -2) if tb else y)
+
+
+def _accumulating(layouts: list[tuple[bool, bool]]):
+    """out = sum_i op(a_i) op(b_i) for `lorac.gemm_acc_<layouts>(a1, b1, a2, b2, ..., out)`
+    (compiler/gemm_sum.py): the first GEMM writes out, the others add into it."""
+    def call(*args):
+        out = args[-1]
+        cpu = out.device.dlpack_device_type() == _CPU
+        if not cpu:
+            from . import gemm_cuda
+        for i, (ta, tb) in enumerate(layouts):
+            a, b = args[2 * i], args[2 * i + 1]
+            if cpu:
+                (_cpu_gemm if i == 0 else _cpu_gemm_add)(ta, tb, a, b, out)
+            else:
+                gemm_cuda.gemm(ta, tb, a, b, out, accumulate=i > 0)
+    return call
+
+
+def register_accumulating(names) -> None:
+    """Register the accumulating GEMMs an artifact calls (manifest gemm.accumulating)."""
+    import tvm_ffi
+
+    for name in names:
+        letters = name.rsplit("_", 1)[1]
+        if not name.startswith("lorac.gemm_acc_") or len(letters) % 2 or set(letters) - {"n", "t"}:
+            from .errors import LoracError
+            raise LoracError(f"artifact calls an unknown GEMM function {name!r}")
+        layouts = [(letters[i] == "t", letters[i + 1] == "t") for i in range(0, len(letters), 2)]
+        tvm_ffi.register_global_func(name, _accumulating(layouts), override=True)
+
+
 def register() -> None:
     """Register the four layouts (once per process; override=True so a re-import of this
     module, e.g. under another package path in tests, does not fail)."""

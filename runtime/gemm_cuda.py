@@ -93,7 +93,8 @@ def _plan(ta: bool, tb: bool, sa: tuple, sb: tuple, so: tuple, da: str, db: str)
             N, M * N if batch > 1 else 0, batch)
 
 
-def gemm(ta: bool, tb: bool, a, b, out) -> None:
+def gemm(ta: bool, tb: bool, a, b, out, accumulate: bool = False) -> None:
+    """out = op(a) op(b), or out += op(a) op(b) with `accumulate` (beta = 1)."""
     if _handle is None:
         _init()
     key = (ta, tb, tuple(a.shape), tuple(b.shape), tuple(out.shape), str(a.dtype), str(b.dtype))
@@ -106,7 +107,7 @@ def gemm(ta: bool, tb: bool, a, b, out) -> None:
         _stream[0] = stream
     opb, opa, n, m, k, bt, ldb, sb, at, lda, sa, ldc, sc, batch = plan
     st = _fn(_handle, opb, opa, n, m, k, ctypes.byref(_ONE),
-             b.data_ptr(), bt, ldb, sb, a.data_ptr(), at, lda, sa, ctypes.byref(_ZERO),
+             b.data_ptr(), bt, ldb, sb, a.data_ptr(), at, lda, sa, ctypes.byref(_ONE if accumulate else _ZERO),
              out.data_ptr(), _R_32F, ldc, sc, batch, _COMPUTE_32F, _GEMM_DEFAULT)
     if st != 0:
         raise LoracError(f"cuBLAS GEMM failed (status {st}) for {list(a.shape)} x {list(b.shape)} -> {list(out.shape)}")

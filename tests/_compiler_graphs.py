@@ -51,3 +51,13 @@ def assert_outputs_close(got: dict, want: dict, rel: float) -> None:
     for name, ref in want.items():
         err = np.abs(got[name] - ref).max() / max(np.abs(ref).max(), 1e-30)
         assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
+
+
+def count_matmuls(model: onnx.ModelProto, units_inlined: bool = True) -> int:
+    """MatMul nodes of the graph, plus those in the body of each unit call when the build
+    inlines the units (every target but CUDA bf16, which maps them to cuDNN)."""
+    n = sum(node.op_type == "MatMul" for node in model.graph.node)
+    for f in model.functions if units_inlined else ():
+        calls = sum(node.op_type == f.name for node in model.graph.node)
+        n += calls * sum(node.op_type == "MatMul" for node in f.node)
+    return n

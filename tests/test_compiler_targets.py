@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from _compiler_graphs import random_inputs, small_training_graph
+from _compiler_graphs import count_matmuls, random_inputs, small_training_graph
 from lorac.compiler import compile_graph
 from lorac.runtime.errors import LoracError
 
@@ -36,7 +36,7 @@ def test_cuda_artifact_ships_compiled_kernels(graph, tmp_path):
     fatbin = (d / m["extra"]["cuda_fatbin"]).read_bytes()
     assert fatbin[:4] == bytes.fromhex("50ed55ba")  # fatbin magic 0xBA55ED50, little-endian
     assert len(m["extra"]["cuda_source_sha256"]) == 64
-    assert m["gemm"]["dispatched"] == sum(n.op_type == "MatMul" for n in graph.graph.node)
+    assert m["gemm"]["dispatched"] == count_matmuls(graph) and m["units"] == []  # fp32: units inlined
 
 
 def test_cuda_bf16_manifest_types(graph, tmp_path):
@@ -48,6 +48,13 @@ def test_cuda_bf16_manifest_types(graph, tmp_path):
     assert types["model.layers.0.mlp.up_proj.weight"] == "bfloat16"
     assert types["model.norm.weight"] == "bfloat16"
     assert all(t == "float32" for n, t in types.items() if "lora_" in n)
+    # bf16: attention runs on cuDNN; its shapes and scale are in the manifest for the runtime
+    assert m["units"] == ["CausalAttention", "CausalAttentionGrad"]
+    assert m["gemm"]["dispatched"] == count_matmuls(graph, units_inlined=False)
+    B, S = m["inputs"][0]["shape"]
+    assert sorted(c["function"] for c in m["unit_calls"]) == ["lorac.attention_bwd", "lorac.attention_fwd"]
+    assert all(dict(B=c["B"], S=c["S"], H=c["H"], K=c["K"], Dh=c["Dh"]) == dict(B=B, S=S, H=4, K=2, Dh=8)
+               and abs(c["scale"] - 8 ** -0.5) < 1e-7 for c in m["unit_calls"])
     assert all(o["dtype"] == "float32" for o in m["outputs"])
 
 

@@ -7,9 +7,9 @@ along random directions v, per input.
 import numpy as np
 import pytest
 
-from lorac.graphs.attention import attention_backward, attention_forward, causal_mask
+from lorac.graphs.attention import attention_backward, attention_forward
 from lorac.graphs.builder import INT64, GraphBuilder
-from lorac.graphs.linear import Proj, linear_backward, linear_forward
+from lorac.graphs.linear import Proj, linear_backward, linear_forward, linear_group_forward
 from lorac.graphs.loss import loss_and_grad
 from lorac.graphs.mlp import swiglu_backward, swiglu_forward
 from lorac.graphs.norm import rmsnorm_backward, rmsnorm_forward
@@ -67,10 +67,12 @@ def test_rmsnorm(shape):
     fd_check({"x": shape, "w": (shape[-1],)}, emit)
 
 
-@pytest.mark.parametrize("S,Dh", [(5, 4), (3, 10)])
-def test_rope(S, Dh):
+@pytest.mark.parametrize("S,Dh,token_major", [(5, 4, False), (3, 10, True)])
+def test_rope(S, Dh, token_major):
     cos, sin = rope_tables(S, Dh, 1000.0)
-    shape = (2, 3, S, Dh)
+    shape = (2, S, 3, Dh) if token_major else (2, 3, S, Dh)
+    if token_major:  # the decoder's layout: tables broadcast over the heads axis
+        cos, sin = cos[:, None, :], sin[:, None, :]
     def emit(g, x):
         c, s = g.fconst(cos), g.fconst(sin)
         return rope_forward(g, x["x"], c, s, Dh), {"x": rope_backward(g, _dy(g, shape), c, s, Dh)}
@@ -79,12 +81,33 @@ def test_rope(S, Dh):
 
 @pytest.mark.parametrize("B,K,G,S,Dh", [(1, 1, 1, 4, 3), (2, 2, 3, 5, 4), (1, 3, 2, 7, 2)])
 def test_attention(B, K, G, S, Dh):
+    """The two units (forward and its backward), run through onnxruntime's inlining."""
     dims = (B, K, G, S, Dh)
     def emit(g, x):
-        ctx, saved = attention_forward(g, x["q"], x["k"], x["v"], causal_mask(g, S, G), dims)
-        dq, dk, dv = attention_backward(g, _dy(g, (B, K * G, S, Dh)), saved, dims)
+        ctx, saved = attention_forward(g, x["q"], x["k"], x["v"], dims)
+        dq, dk, dv = attention_backward(g, _dy(g, (B, S, K * G, Dh)), saved, dims)
         return ctx, {"q": dq, "k": dk, "v": dv}
-    fd_check({"q": (B, K * G, S, Dh), "k": (B, K, S, Dh), "v": (B, K, S, Dh)}, emit)
+    fd_check({"q": (B, S, K * G, Dh), "k": (B, S, K, Dh), "v": (B, S, K, Dh)}, emit)
+
+
+def test_attention_lse():
+    """The forward unit's second output is each softmax row's log-sum-exp (what cuDNN's
+    SDPA calls its stats), checked against numpy in float64."""
+    B, K, G, S, Dh = 2, 2, 3, 5, 4
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((B, S, n, Dh)) for n in (K * G, K, K))
+    g = GraphBuilder("lse", np.float64)
+    xs = [g.input(n, a.shape) for n, a in zip("qkv", (q, k, v))]
+    o, saved = attention_forward(g, *xs, (B, K, G, S, Dh), scale=0.25)
+    g.output(o, "o")
+    g.output(saved[4], "lse")
+    out = run_ort(g.finish(), dict(q=q, k=k, v=v))
+    kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)  # HF repeat_kv
+    s = np.einsum("bihd,bjhd->bhij", q, kk) * 0.25
+    s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
+    lse = np.log(np.exp(s).sum(-1, keepdims=True))
+    np.testing.assert_allclose(out["lse"], lse, rtol=1e-12)
+    np.testing.assert_allclose(out["o"], np.einsum("bhij,bjhd->bihd", np.exp(s - lse), vv), rtol=1e-10)
 
 
 @pytest.mark.parametrize("lora,bias", [(True, False), (True, True), (False, True)])
@@ -103,6 +126,32 @@ def test_linear(lora, bias):
         if lora:
             grads.update(a=da, b=db)
         return y, grads
+    fd_check(shapes, emit)
+
+
+@pytest.mark.parametrize("adapted", [(True, False, True), (True, True, True), (False, True, False)])
+def test_linear_group(adapted):
+    """Projections sharing one input (q/k/v): the adapted ones' A in one GEMM (each backward
+    reads its slice of u), also with a frozen one in between and with one adapted alone."""
+    N, i, r, outs = 5, 6, 2, (7, 3, 4)
+    shapes = {"x": (N, i)}
+    for j, (o, ad) in enumerate(zip(outs, adapted)):
+        shapes[f"w{j}"], shapes[f"bias{j}"] = (o, i), (o,)
+        if ad:
+            shapes[f"a{j}"], shapes[f"b{j}"] = (r, i), (o, r)
+    def emit(g, x):
+        projs = [Proj(x[f"w{j}"], x[f"bias{j}"], x.get(f"a{j}"), x.get(f"b{j}"), 0.7 if ad else 0.0)
+                 for j, ad in enumerate(adapted)]
+        ys, us = linear_group_forward(g, x["x"], projs)
+        dy, cuts = _dy(g, (N, sum(outs))), np.cumsum((0,) + outs)
+        dys = [g.slice(dy, int(lo), int(hi), 1) for lo, hi in zip(cuts, cuts[1:])]
+        back = [linear_backward(g, d, x["x"], u, p) for d, u, p in zip(dys, us, projs)]
+        grads = {"x": g.add_all(*[b[0] for b in back])}
+        for j, (_, da, db) in enumerate(back):
+            if da is not None:
+                grads[f"a{j}"], grads[f"b{j}"] = da, db
+        # one output: the outputs concatenated, so each dy_j is a block of the check's dy
+        return g.op("Concat", *ys, axis=1), grads
     fd_check(shapes, emit)
 
 

@@ -4,6 +4,7 @@ the plain graph; oracle 1 on a whole model (float64 finite differences); oracle 
 import numpy as np
 import pytest
 
+from lorac.graphs.builder import inline_units
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_eval_graph, build_training_graph
 from lorac.graphs.memory import peak_live_bytes
 from oracles import assert_frozen_prefix_matches, batch, hf_model, hf_weights, random_lora, rel_err, run_ort
@@ -89,7 +90,7 @@ def test_onnxruntime_training_autodiff_agrees(tmp_path):
     train = TrainSpec(batch=2, seq=6, lora_targets=ALL_TARGETS, rank=3, alpha=6)
     spec, feeds = _feeds(CFG, train)
     ours = run_ort(build_training_graph(spec, train), feeds)
-    fwd = build_eval_graph(spec, train)
+    fwd = inline_units(build_eval_graph(spec, train))  # ORT's autodiff reads plain ops
     weights = [n.name for n in fwd.graph.input if n.name not in ("input_ids", "labels")]
     keep = [i for i in fwd.graph.input if i.name in ("input_ids", "labels")]
     del fwd.graph.input[:]
@@ -100,3 +101,14 @@ def test_onnxruntime_training_autodiff_agrees(tmp_path):
     assert abs(loss - float(ours["loss"])) <= 1e-5 * abs(loss)
     for n in lora:
         assert rel_err(ours[n + ".grad"], theirs[n]) <= 1e-4, n
+
+
+def test_auto_loss_chunk_bounds_the_logits():
+    """CUDA's default loss chunk: a power of two whose fp32 [chunk, V] logits fit 1.5 GiB,
+    or one chunk when every token's logits fit."""
+    from lorac.graphs.loss import auto_chunk
+    assert auto_chunk(151936, 8 * 1024) == 2048 and auto_chunk(128256, 4 * 2048) == 2048
+    assert auto_chunk(32000, 8 * 1024) == 0 and auto_chunk(49152, 4 * 256) == 0
+    for vocab, tokens in ((151936, 16384), (256000, 65536), (1000, 10 ** 7)):
+        c = auto_chunk(vocab, tokens)
+        assert c & (c - 1) == 0 and c * vocab * 4 <= 3 << 29 < 2 * c * vocab * 4

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Source on the GPU machine, from the repo root: lorac importable with TVM's runtime alone (no
+# libtvm_compiler, no torch in lorac's process) and cuDNN's Python frontend. Expects, built here:
+#   .devcarry/rt/site/tvm   TVM minus libtvm_compiler.so and 3rdparty/ (bench/prepare_h200.py copies it)
+#   .devcarry/rt/whl/       the cp312 wheels of apache-tvm-ffi and nvidia-cudnn-frontend
+# (or both as .devcarry/rt.tar.xz, a third of the size: the transfer limit is 64 MiB a call)
+D=.devcarry
+[ -d $D/rt ] || tar -xJf $D/rt.tar.xz -C $D
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $D/rt/whl/*.whl
+mkdir -p /tmp/shim/lorac
+for p in graphs compiler runtime; do ln -sfn "$PWD/$p" /tmp/shim/lorac/$p; done
+cp lorac_pkg/__init__.py /tmp/shim/lorac/
+export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/$D/rt/site TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

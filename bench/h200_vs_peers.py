@@ -1,0 +1,189 @@
+"""lorac's full training step against torch + PEFT, in one GPU-machine call, with the ratio table.
+
+    .venv/bin/python bench/h200_vs_peers.py prepare CACHE [CASE ...]   # here: compile (no GPU)
+    python3 bench/h200_vs_peers.py device CACHE [CASE ...]             # GPU machine, runtime-only TVM
+        (PEER_TIMEOUT=seconds for each case's peers, default 420; NO_PEERS=1 runs lorac alone)
+
+A lorac step is what `lorac train` runs each step: the compiled training step (loss and every
+LoRA gradient, CUDA graphs, cuDNN attention), the loss read back to the host, then the LoRA+
+AdamW update with clipping (engine.update; its grad-norm read syncs again). Each case runs in
+a process of its own (lorac without torch), then its peers (bench/peer_lora_gpu.py), so the
+GPU memory figures are per run: lorac's is the device memory in use after the steps minus what
+the process held before loading anything (TVM's pool keeps the step's peak); the peers' is
+torch's peak allocated (and reserved). MFU = model FLOPs / step time / 790 TFLOP/s (the bf16
+GEMM rate measured on this H200 class), with FLOPs = 4 x matmul parameters x tokens (forward
+and input-gradient GEMMs; LoRA has no weight gradients) + 6 x L x B x S^2 x H x Dh (causal
+attention, forward and backward).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+QWEN3_40M = dict(model_type="qwen3", vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1e6)
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                 rope_theta=500000.0)
+# name: (config, peer model name, B, S, lorac TrainSpec extras, peer modes)
+CASES = {
+    "q06-8x1024": (QWEN3_06B, "qwen3-0.6b", 8, 1024, {"loss_chunk": 2048}, ["compile"]),
+    "q06-1x512": (QWEN3_06B, "qwen3-0.6b", 1, 512, {}, ["reduce-overhead"]),
+    "40m-8x1024": (QWEN3_40M, "qwen3-40m", 8, 1024, {}, ["compile"]),
+    "8b-4x2048": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "loss_chunk": 2048},
+                  ["compile", "eager-gc"]),
+    "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
+                    ["eager-gc", "compile"]),
+}
+PEAK = 790e12
+
+
+def _engine(case: str, cache: str, weights=None):
+    from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec
+    from lorac.runtime.engine import Engine
+    from lorac.runtime.optim import LoraPlusConfig
+
+    cfg, _, B, S, extra, _ = CASES[case]
+    spec = ModelSpec.from_hf_config(cfg)
+    train = TrainSpec(batch=B, seq=S, lora_targets=tuple(ALL_TARGETS), rank=16, alpha=32, **extra)
+    optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, total_steps=100)
+    eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True))
+    return eng, spec, optim
+
+
+def model_flops(cfg: dict, B: int, S: int) -> float:
+    D, L, V, I = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["intermediate_size"]
+    H, K, Dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    matmul = L * (D * H * Dh * 2 + D * K * Dh * 2 + 3 * D * I) + V * D
+    return 4.0 * matmul * B * S + 6.0 * L * B * S * S * H * Dh
+
+
+def prepare(cache: str, cases: list[str]) -> None:
+    for case in cases:
+        eng, _, _ = _engine(case, cache)
+        for kind in ("train", "adamw"):
+            art = eng.compile(kind)
+            m = json.loads((art / "manifest.json").read_text())
+            print(case, kind, art.name, m["memory"], m.get("units"), flush=True)
+
+
+def _gpu_used() -> int:
+    from lorac.runtime.gemm_cuda import load_library
+    cudart = load_library("libcudart")
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
+    return total.value - free.value
+
+
+def lorac_case(cache: str, case: str, steps: int = 10) -> dict:
+    """One case's full steps in this process (no torch): ms per step, memory, losses."""
+    sys.modules["torch"] = None
+    import ml_dtypes
+    from lorac.runtime.artifact import read_manifest
+    from lorac.runtime.optim import group_lrs
+    from lorac.runtime.train import init_lora
+
+    eng, spec, optim = _engine(case, cache)
+    m = read_manifest(eng.compile("train"))  # a cache hit: the input names and dtypes
+    _gpu_used()  # creates the CUDA context
+    base = _gpu_used()
+    rng = np.random.default_rng(0)
+    block = (0.02 * rng.standard_normal(1 << 20)).astype(ml_dtypes.bfloat16)
+    weights = {}
+    for i in m["inputs"]:  # random frozen weights, tiled from one block (an 8B model in seconds)
+        if i["name"] in ("input_ids", "labels") or ".lora_" in i["name"]:
+            continue
+        n = int(np.prod(i["shape"]))
+        w = np.ones(n, ml_dtypes.bfloat16) if "norm" in i["name"] else np.resize(block, n)
+        weights[i["name"]] = w.reshape(i["shape"])
+    eng, spec, optim = _engine(case, cache, weights=weights)
+    del weights
+    zeros = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
+    eng.set_state(init_lora(eng.shapes, np.random.default_rng(1)), zeros, dict(zeros))
+    B, S = CASES[case][2], CASES[case][3]
+    batches = [np.random.default_rng(2 + i).integers(0, spec.vocab, (B, S)).astype(np.int64) for i in range(4)]
+    times, losses = [], []
+    t_first = time.perf_counter()
+    for t in range(1, steps + 4):
+        ids = batches[t % len(batches)]
+        t0 = time.perf_counter()
+        out = eng.step({"input_ids": ids, "labels": ids}, eng.lora)  # the loss read syncs
+        loss = out.pop("loss")
+        eng.update(out, *group_lrs(t, optim), t)  # the grad-norm read syncs
+        times.append(time.perf_counter() - t0)
+        losses.append(round(loss, 5))
+        if t == 1:
+            first_s = time.perf_counter() - t_first
+    step_s = float(np.median(times[3:]))
+    plan = m.get("memory", {})
+    return dict(lorac=case, B=B, S=S, step_ms=round(step_s * 1e3, 2), tok_s=round(B * S / step_s),
+                mem_gb=round((_gpu_used() - base) / 1e9, 2), plan_gb=round(plan.get("static_plan_bytes", 0) / 1e9, 2),
+                first_step_s=round(first_s, 2), losses=losses[:3] + losses[-2:],
+                mfu=round(model_flops(CASES[case][0], B, S) / step_s / PEAK, 3))
+
+
+def _json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def device(cache: str, cases: list[str], peer_timeout: int) -> None:
+    rows = []
+    for case in cases:
+        r = subprocess.run([sys.executable, __file__, "lorac", cache, case], capture_output=True, text=True,
+                           timeout=900)
+        got = [x for x in _json_lines(r.stdout) if "lorac" in x]
+        mine = got[0] if got else {"lorac": case, "error": (r.stderr.strip().splitlines() or ["?"])[-1][:400]}
+        print(json.dumps(mine), flush=True)
+        cfg, peer_model, B, S, _, modes = CASES[case]
+        peers = []
+        if os.environ.get("NO_PEERS"):
+            modes = []
+        try:
+            if modes:
+                p = subprocess.run([sys.executable, str(HERE / "peer_lora_gpu.py"), peer_model, f"{B}x{S}", *modes],
+                                   capture_output=True, text=True, timeout=peer_timeout, cwd=HERE)
+                peers = _json_lines(p.stdout)
+        except subprocess.TimeoutExpired as e:
+            peers = _json_lines(e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
+            peers.append({"mode": "timeout", "error": f"peers past {peer_timeout} s"})
+        for x in peers:
+            if "step_ms" in x:
+                x["mfu"] = round(model_flops(cfg, B, S) / (x["step_ms"] / 1e3) / PEAK, 3)
+            print(json.dumps(x), flush=True)
+        rows.append((mine, peers))
+    print("\n| case | lorac ms | lorac GB | lorac MFU | peer | peer ms | peer GB (alloc/reserved) | peer MFU | peer ms / lorac ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mine, peers in rows:
+        for x in peers or [{"mode": "-"}]:
+            ratio = round(x["step_ms"] / mine["step_ms"], 2) if "step_ms" in x and "step_ms" in mine else "-"
+            print(f"| {mine['lorac']} | {mine.get('step_ms', mine.get('error'))} | {mine.get('mem_gb', '-')} | "
+                  f"{mine.get('mfu', '-')} | {x['mode']} | {x.get('step_ms', x.get('error', '-'))} | "
+                  f"{x.get('peak_gb', '-')}/{x.get('reserved_gb', '-')} | {x.get('mfu', '-')} | {ratio} |")
+
+
+if __name__ == "__main__":
+    mode, cache, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if mode == "prepare":
+        prepare(cache, rest or list(CASES))
+    elif mode == "lorac":
+        print(json.dumps(lorac_case(cache, rest[0])), flush=True)
+    else:
+        timeout = int(os.environ.get("PEER_TIMEOUT", "420"))
+        device(cache, rest or list(CASES), timeout)
