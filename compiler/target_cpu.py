@@ -15,10 +15,11 @@ DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
 
 
 def prepare(mod):
-    """exp/sigmoid/softmax that vectorize (fast_math.py; imported here, not at the top, so a
-    cache hit never imports TVM)."""
+    """exp/sigmoid/softmax that vectorize (fast_math.py), gathers without TVM's fast-mode
+    warning (take_bounds.py); imported here, not at the top, so a cache hit never imports TVM."""
     from .fast_math import fast_math
-    return fast_math(mod)
+    from .take_bounds import clip_takes
+    return clip_takes(fast_math(mod))
 
 
 def tvm_target(request: dict):
@@ -31,13 +32,22 @@ def tvm_target(request: dict):
 
 
 def check_environment(request: dict) -> None:
-    """Linking the library needs a C compiler (the system `cc`), which any dev box has."""
+    """Linking the library needs the C compiler TVM links with: $CXX or $CC, else g++, gcc,
+    clang++, clang, c++ or cc on Linux and macOS; clang (or $TVM_WIN_CC) on Windows."""
+    import os
     import shutil
+    import sys
 
     from lorac.runtime.errors import LoracError
 
-    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")):
-        raise LoracError("target cpu needs a C compiler (cc/gcc) to link the artifact library")
+    if sys.platform == "win32":
+        if not shutil.which(os.environ.get("TVM_WIN_CC", "clang")):
+            raise LoracError("target cpu needs clang on the PATH (or TVM_WIN_CC) to link the artifact library")
+        return
+    from tvm.support.cc import get_cc
+    if not get_cc():
+        raise LoracError("target cpu needs a C compiler (g++, gcc, clang or cc on the PATH, or $CC) to link the "
+                         "artifact library")
 
 
 def tune(mod, target, trials: int, cache_dir):

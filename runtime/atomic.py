@@ -9,7 +9,11 @@ from pathlib import Path
 
 
 def fsync_path(path) -> None:
-    """fsync a file or a directory (a directory's fsync makes the names in it durable)."""
+    """fsync a file or a directory (a directory's fsync makes the names in it durable).
+    Windows cannot open a directory as a file, and NTFS commits renames with its metadata
+    journal: there a directory needs no fsync."""
+    if os.name == "nt" and os.path.isdir(path):
+        return
     fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
     try:
         os.fsync(fd)

@@ -14,19 +14,23 @@ from dataclasses import fields
 from pathlib import Path
 
 from .errors import LoracError
+from .export_onnx import GRAPHS
+from .files import respect_umask
 from .train import ALL_TARGETS, TrainConfig
 
 TRAIN_HELP = {
-    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
-    "data": "training data: .txt, or .jsonl with text / prompt+completion / chat messages "
-            "(default: the bundled Jargon File Q&A corpus)",
+    "model": "HF model directory, .gguf file, or hub id ORG/NAME (ORG/NAME:Q4_K_M for a GGUF repo; the local HF "
+             "cache first) (default: the bundled SmolLM2-135M-Instruct)",
+    "data": "training data: .txt, .jsonl/.json (text, prompt/completion, chat messages, alpaca, sharegpt), "
+            ".parquet/.arrow, a dataset folder, or a hub dataset ORG/NAME[:SPLIT] (default: the bundled "
+            "Jargon File Q&A corpus)",
     "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
     "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
     "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
                "in_proj,x_proj,dt_proj,out_proj for Mamba)",
-    "trained_layers": "adapt only layers A:B (no backward below A)",
+    "trained_layers": "adapt only layers A:B, or the layers i,j,k (no backward below the first)",
     "lr": "learning rate of the LoRA A matrices", "loraplus_ratio": "LoRA+ ratio: lr(B) = ratio * lr(A)",
     "warmup": "linear warmup steps (then cosine decay to lr/10)", "weight_decay": "AdamW decoupled weight decay",
     "max_grad_norm": "global gradient-norm clip (<= 0: off)", "grad_accum": "micro-batches per optimizer step",
@@ -37,14 +41,27 @@ TRAIN_HELP = {
     "eval_batches": "batches per eval (0: no eval)", "save_every": "steps between checkpoints",
     "keep_checkpoints": "checkpoints kept", "seed": "random seed (LoRA init and data order)",
     "resume": "continue from a checkpoint directory (or OUT/checkpoints)",
+    "adapter": "start from this PEFT adapter directory (its rank, alpha, targets and layers replace "
+               "--rank, --alpha, --targets, --trained-layers)",
     "cache_dir": "compiled-artifact cache", "eval_fraction": "share of documents held out for eval",
     "sample_prompt": "prompt for the before/after sample (default: one from the eval data)",
     "sample_tokens": "tokens generated for the sample (0: no sample)",
     "no_cuda_graph": "cuda: run the training step as plain VM calls instead of CUDA graphs "
                      "(graphs cut the host's work per step from ~15,000 calls to a few hundred)",
+    "progress": "auto (a bar on a terminal, a line per step elsewhere), bar or lines",
+    "report_to": "none, or tensorboard (scalars to OUT/runs; pip install 'lorac[tensorboard]')",
     "compile_only": "compile every graph of the run for --target into --cache-dir and stop; copy the "
                     "cache to the machine that trains (it needs no compiler then)",
 }
+
+
+# the spellings of TRL's SFTConfig / transformers' TrainingArguments and PEFT's LoraConfig, as
+# aliases (any flag may also be written with underscores: --learning_rate)
+ALIASES = {"lr": "--learning-rate", "steps": "--max-steps", "rank": "--lora-r", "alpha": "--lora-alpha",
+           "rslora": "--use-rslora", "seq": "--max-seq-length", "batch": "--per-device-train-batch-size",
+           "grad_accum": "--gradient-accumulation-steps", "out": "--output-dir", "warmup": "--warmup-steps",
+           "targets": "--target-modules", "eval_every": "--eval-steps", "save_every": "--save-steps",
+           "keep_checkpoints": "--save-total-limit"}
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -54,16 +71,23 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = [flag] + ([ALIASES[f.name]] if f.name in ALIASES else [])
         default = getattr(defaults, f.name)
         help_ = TRAIN_HELP.get(f.name, "")
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", default=None, help=help_)
+            p.add_argument(*flags, dest=f.name, action="store_true", default=None, help=help_)
         elif f.name in ("targets", "trained_layers"):
-            p.add_argument(flag, default=None, help=help_)
+            p.add_argument(*flags, dest=f.name, default=None, help=help_)
         else:
             kind = type(default) if default is not None else str
             shown = f" (default: {default})" if default is not None else ""
-            p.add_argument(flag, type=kind, default=None, help=help_ + shown)
+            p.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_ + shown)
+
+
+def _field(key: str) -> str:
+    """A TOML key (flag name or alias, dashes or underscores) -> its TrainConfig field."""
+    flag = "--" + key.replace("_", "-")
+    return next((name for name, alias in ALIASES.items() if alias == flag), key.replace("-", "_"))
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -71,7 +95,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.config:
         import tomllib
         try:
-            values = {k.replace("-", "_"): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
+            values = {_field(k): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
         except FileNotFoundError:
             raise LoracError(f"config file not found: {args.config}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -123,7 +147,7 @@ def cmd_train(args) -> int:
 
 
 def _engine_from_checkpoint(args):
-    """(Run-like objects) for eval/generate: the model and LoRA of a checkpoint, or the base model."""
+    """(engine, tokenizer, LoRA, model source) for eval/generate: a checkpoint's model and LoRA, or the base model."""
     from lorac.graphs import ModelSpec, TrainSpec
 
     from .checkpoint import load_checkpoint
@@ -149,12 +173,12 @@ def _engine_from_checkpoint(args):
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
         import numpy as np
         lora = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
-    return eng, tok, lora
+    return eng, tok, lora, source
 
 
 def cmd_eval(args) -> int:
     from .data import load_dataset
-    eng, tok, lora = _engine_from_checkpoint(args)
+    eng, tok, lora, _ = _engine_from_checkpoint(args)
     data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data)
     total = count = 0.0
     for b in data.eval_batches(eng.train.batch):
@@ -167,10 +191,13 @@ def cmd_eval(args) -> int:
 
 def cmd_generate(args) -> int:
     from .generate import check_sampling, generate, prompt_ids
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window)  # before any loading
-    eng, tok, lora = _engine_from_checkpoint(args)
+    from .generate import model_repetition_penalty
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, args.repetition_penalty or 1.0)
+    eng, tok, lora, source = _engine_from_checkpoint(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
-    new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window)
+    penalty = args.repetition_penalty or model_repetition_penalty(source.path) or 1.0
+    new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,
+                   penalty)
     print(tok.decode(new))
     return 0
 
@@ -179,11 +206,17 @@ def cmd_export(args) -> int:
     from . import export
     from .checkpoint import load_checkpoint
     from .model_source import resolve_model
+    if args.format == "onnx":
+        return _export_onnx(args)
+    if not args.checkpoint:
+        raise LoracError(f"--format {args.format} exports a trained adapter: give --checkpoint")
     ck = load_checkpoint(args.checkpoint)
     tcfg = ck.state.get("train_config", {})
     alpha, rslora = tcfg.get("alpha"), tcfg.get("rslora", False)
     config = ck.state.get("model_config", {})
     source = resolve_model(args.model or tcfg.get("model"))
+    if args.dtype == "q8_0" and args.format != "gguf-merged":
+        raise LoracError("--dtype q8_0 is for --format gguf-merged")
     from .export_output import check_destination
     check_destination(args.out, [source.path, ck.path, args.checkpoint])  # never over what it reads
     if args.format == "peft":
@@ -191,13 +224,41 @@ def cmd_export(args) -> int:
                                   base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"),
                                   warn=lambda m: print(m, file=sys.stderr))
     elif args.format == "merged" and source.path.is_dir():
-        path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora)
+        path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, dtype=args.dtype)
     elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory
-        config, weights, _ = source.load()
-        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora)
+        from .gguf_model import float_dtype
+        config, weights, tok = source.load()
+        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora,
+                                            tokenizer=tok, dtype=args.dtype or float_dtype(source.path))
+    elif args.format == "gguf-merged":
+        from .export_gguf_merged import export_gguf_merged
+        qtype = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "q8_0": "Q8_0"}[args.dtype or "float16"]
+        path = export_gguf_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, qtype=qtype)
     else:
         path = export.export_gguf(args.out, ck.lora, alpha=alpha, model_config=config, use_rslora=rslora)
-    print(f"exported {args.format} adapter to {path}")
+    respect_umask(path)
+    print(f"exported {args.format} to {path}")
+    return 0
+
+
+def _export_onnx(args) -> int:
+    """The training/eval/forward graph of --checkpoint's run, or of --model with the given settings."""
+    from lorac.graphs import ModelSpec, TrainSpec
+
+    from .checkpoint import load_checkpoint
+    from .export_onnx import export_onnx
+    from .model_source import resolve_model
+    tcfg = load_checkpoint(args.checkpoint).state.get("train_config", {}) if args.checkpoint else {}
+    config = resolve_model(args.model or tcfg.get("model")).config()
+    spec = ModelSpec.from_hf_config(config)
+    targets = args.targets.split(",") if args.targets else tcfg.get("targets") or spec.targets
+    layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
+    train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", 128),
+                      lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", 16),
+                      alpha=args.alpha or tcfg.get("alpha", 32.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
+    path = export_onnx(args.out, config, train, args.graph)
+    respect_umask(path)
+    print(f"exported the {args.graph} graph ({train.batch}x{train.seq}, rank {train.rank}) to {path}")
     return 0
 
 
@@ -233,22 +294,48 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--max-new-tokens", type=int, default=64)
             q.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
             q.add_argument("--top-p", type=float, default=1.0)
+            q.add_argument("--repetition-penalty", type=float, default=None,
+                           help="transformers' repetition penalty (1: none; default: the model's "
+                                "generation_config.json, else 1)")
             q.add_argument("--seed", type=int, default=0)
             q.add_argument("--window", type=int, default=128, help="static context window of the forward graph")
             q.set_defaults(func=cmd_generate, batch=1)
-    q = sub.add_parser("export", help="export a checkpoint's adapter", description="Export a checkpoint's adapter: "
-                       "PEFT directory, merged HF model, or GGUF LoRA adapter for llama.cpp.")
-    q.add_argument("--checkpoint", required=True, help="checkpoint directory (or OUT/checkpoints)")
-    q.add_argument("--format", choices=("peft", "merged", "gguf"), default="peft")
-    q.add_argument("--out", required=True, help="output directory (peft, merged) or .gguf file (gguf); never the base "
-                   "model or the checkpoint; an existing directory is replaced only when it holds a previous export")
-    q.add_argument("--model", help="base model (merged needs its HF directory; default: the checkpoint's)")
+    q = sub.add_parser("export", help="export a checkpoint's adapter, or a model's ONNX graph",
+                       description="Export a checkpoint's adapter: PEFT directory, merged HF model, GGUF LoRA "
+                                   "adapter for llama.cpp, or a merged GGUF; or the ONNX graph of a model.")
+    q.add_argument("--checkpoint", help="checkpoint directory (or OUT/checkpoints); onnx: optional")
+    q.add_argument("--format", choices=("peft", "merged", "gguf", "gguf-merged", "onnx"), default="peft",
+                   help="peft (directory), merged (HF directory), gguf (llama.cpp LoRA file), gguf-merged (the GGUF "
+                        "base with the LoRA folded in) or onnx (the model's graph, no checkpoint needed); default: peft")
+    q.add_argument("--out", required=True, help="output directory (peft, merged) or file (gguf, gguf-merged, onnx); "
+                   "never the base model or the checkpoint; an existing directory is replaced only when it holds a "
+                   "previous export")
+    q.add_argument("--model", help="base model (default: the checkpoint's)")
+    q.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "q8_0"),
+                   help="merged: the weights' dtype (default: the base's; bfloat16 for a quantized GGUF base); "
+                        "gguf-merged: the adapted matrices' type (default: float16; q8_0 quantizes them)")
+    g = q.add_argument_group("onnx", "the graph and its shapes (default: the checkpoint's settings, else these)")
+    g.add_argument("--graph", choices=GRAPHS, default="train", help="train (loss and LoRA gradients), eval (loss) or "
+                   "forward (logits); default: train")
+    g.add_argument("--batch", type=int, help="sequences per batch (default: 1)")
+    g.add_argument("--seq", type=int, help="tokens per sequence (default: 128)")
+    g.add_argument("--rank", type=int, help="LoRA rank (default: 16)")
+    g.add_argument("--alpha", type=float, help="LoRA alpha (default: 32)")
+    g.add_argument("--targets", help="comma-separated LoRA targets (default: every linear layer)")
     q.set_defaults(func=cmd_export)
     return ap
 
 
+def _dashes(arg: str) -> str:
+    """--learning_rate=x -> --learning-rate=x (the flag's name only, never a value)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [_dashes(a) for a in (sys.argv[1:] if argv is None else argv)]
     if argv and argv[0] == "compile":
         return _guard(lambda: cmd_compile(argv[1:]))
     ap = build_parser()

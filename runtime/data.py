@@ -6,6 +6,7 @@ Formats (picked per file by its suffix, per record by its keys):
     JSONL {"prompt": ..., "completion": ...}   only completion tokens count
     JSONL {"messages": [{"role", "content"}]}  rendered with the chat template; only the
                                                assistant turns count
+    alpaca and sharegpt records (data_formats.py), HF datasets and JSON arrays (data_sources.py)
 Labels follow HF: the same ids as input_ids (the graph shifts them), -100 where a token
 does not count. Every document ends with EOS (a chat rendering that already closes with
 it gets none added), so packed rows carry EOS separators; the model learns to stop.
@@ -37,6 +38,7 @@ import weakref
 
 import numpy as np
 
+from .data_formats import normalize_record
 from .errors import LoracError
 
 IGNORE = -100           # HF's label for "no loss here"
@@ -59,6 +61,10 @@ def read_records(path):
     stream (BOS only before the first, EOS only after the last).
     """
     path = os.fspath(path)
+    from .data_sources import dataset_records, is_dataset_source
+    if is_dataset_source(path):  # HF datasets (hub id, parquet, arrow, folder), a JSON array
+        yield from dataset_records(path)
+        return
     if not os.path.exists(path):
         raise LoracError(f"data file not found: {path}")
     if os.path.isdir(path):
@@ -120,6 +126,7 @@ def _lines(f, path, limit):
 
 def document_pieces(record, tokenizer, where):
     """record -> (text, [(start, end)] char spans that count in the loss, eos, bos)."""
+    record = normalize_record(record, bool(tokenizer.chat_template), where)  # alpaca, sharegpt
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
@@ -142,7 +149,8 @@ def document_pieces(record, tokenizer, where):
         if not isinstance(text, str):
             raise LoracError(f"{where}: \"text\" must be a string")
         return text, [(0, len(text))], record.get("eos", True), record.get("bos", True)
-    raise LoracError(f"{where}: record has none of the keys text, prompt/completion, messages")
+    raise LoracError(f"{where}: record has none of the keys text, prompt/completion, messages, "
+                     "instruction/output (alpaca), conversations (sharegpt)")
 
 
 def tokenize_chunk(chunk, tokenizer, vocab_size, path):

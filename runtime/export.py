@@ -26,6 +26,7 @@ from lorac.graphs.mamba_spec import MAMBA_TARGETS
 
 from .errors import LoracError
 from .export_output import staged
+from .weights import as_dtype
 
 _NAME = re.compile(r"^base_model\.model\.(model|backbone)\.layers\.(\d+)\.(self_attn|mlp|mixer)\.(\w+)\.lora_(A|B)\.weight$")
 PARENT = {t: ("self_attn" if t in decoder_spec.ATTN_TARGETS else "mlp") for t in decoder_spec.ALL_TARGETS}
@@ -186,14 +187,14 @@ def export_merged(out_dir, model_dir, lora: dict[str, np.ndarray], *, alpha: flo
                   dtype: str | None = None) -> Path:
     """An HF model directory with the LoRA folded in, shard layout kept as in `model_dir`.
 
-    `dtype`: None keeps each tensor's source dtype; "float32" writes everything in fp32 (and
-    says so in config.json). config.json, the index and tokenizer files are copied.
+    `dtype`: None keeps each tensor's source dtype; "float32", "bfloat16" or "float16" writes every
+    float tensor so (and says so in config.json). config.json, the index and tokenizer files are copied.
     """
     model_dir, out = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").exists():
         raise LoracError(f"no config.json in {model_dir}")
-    if dtype not in (None, "float32"):
-        raise LoracError(f"merged export dtype must be None (source) or 'float32', got {dtype!r}")
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise LoracError(f"merged export dtype must be float32, bfloat16 or float16 (or none: the source's), got {dtype!r}")
     pairs = lora_pairs(lora)
     with staged(out, "dir", MERGED_FILES) as tmp:
         _write_merged(tmp, model_dir, pairs, alpha, use_rslora, dtype)
@@ -212,17 +213,18 @@ def _write_merged(out: Path, model_dir: Path, pairs: dict, alpha: float, use_rsl
                 for ab, x in (("A", a), ("B", b))}
         merged = merge_lora(weights, mine, alpha=alpha, use_rslora=use_rslora) if mine else weights
         done |= {k for k in mine}
-        if dtype == "float32":
-            merged = {k: v.astype(np.float32) for k, v in merged.items()}
+        if dtype:
+            merged = {k: v.astype(as_dtype(dtype)) if v.dtype.kind == "f" or v.dtype.name == "bfloat16" else v
+                      for k, v in merged.items()}
         save_file({k: np.ascontiguousarray(v) for k, v in merged.items()}, str(out / fname), metadata={"format": "pt"})
     if len(done) != 2 * len(pairs):
         left = sorted(set(lora_name(i, t, "A") for i, t in pairs) - done)
         raise LoracError(f"base model has no weight for LoRA tensor {left[0]}")
     config = json.loads((model_dir / "config.json").read_text())
-    if dtype == "float32":
+    if dtype:
         for key in ("torch_dtype", "dtype"):
             if key in config:
-                config[key] = "float32"
+                config[key] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for extra in ("model.safetensors.index.json",) + TOKENIZER_FILES:
         if (model_dir / extra).exists():
@@ -230,16 +232,21 @@ def _write_merged(out: Path, model_dir: Path, pairs: dict, alpha: float, use_rsl
 
 
 def export_merged_weights(out_dir, weights: dict[str, np.ndarray], config: dict, lora: dict[str, np.ndarray], *,
-                          alpha: float, use_rslora: bool = False, tokenizer_dir=None) -> Path:
+                          alpha: float, use_rslora: bool = False, tokenizer_dir=None, tokenizer=None,
+                          dtype: str | None = None) -> Path:
     """A merged HF directory from weights already in memory (HF names), e.g. a GGUF base.
 
-    Writes config.json and one model.safetensors (tensors keep their dtype); copies the
-    tokenizer files found in `tokenizer_dir`, if given. A tied lm_head is left out, as
-    transformers' save_pretrained does.
+    Writes config.json and one model.safetensors, in `dtype` ("bfloat16", "float16",
+    "float32"; None: as the tensors are); copies the tokenizer files found in `tokenizer_dir`,
+    or writes them from a lorac `tokenizer` (export_tokenizer.py). A tied lm_head is left
+    out, as transformers' save_pretrained does.
     """
     merged = merge_lora(weights, lora, alpha=alpha, use_rslora=use_rslora)
     if config.get("tie_word_embeddings") and "lm_head.weight" in merged:
         merged = {k: x for k, x in merged.items() if k != "lm_head.weight"}
+    if dtype:
+        merged = {k: x.astype(as_dtype(dtype)) for k, x in merged.items()}
+        config = {**config, "torch_dtype": dtype, "dtype": dtype}
     with staged(out_dir, "dir", MERGED_FILES) as out:
         save_file({k: np.ascontiguousarray(x) for k, x in merged.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
@@ -248,6 +255,9 @@ def export_merged_weights(out_dir, weights: dict[str, np.ndarray], config: dict,
             for extra in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / extra).exists():
                     shutil.copyfile(Path(tokenizer_dir) / extra, out / extra)
+        elif tokenizer is not None:
+            from .export_tokenizer import write_tokenizer_files
+            write_tokenizer_files(out, tokenizer, config)
     return Path(out_dir)
 
 

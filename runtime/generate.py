@@ -12,6 +12,41 @@ import numpy as np
 from .errors import LoracError
 
 
+# The before/after samples of `lorac train` decode greedily with this repetition penalty unless
+# the model's generation_config.json names one. Greedy decoding without a penalty sent the demo's
+# adapted SmolLM2-135M into a loop ("A longjohn is a longjohn is a longjohn ...") while its eval
+# loss fell 4.52 -> 3.95; with 1.2 the same adapter answered in the corpus' manner ("A term used
+# to describe ... See also asbestos jowl"), and on each of the first 12 held-out prompts it opened
+# as a Jargon File entry does (docs/RUNTIME.md).
+SAMPLE_REPETITION_PENALTY = 1.2
+
+
+def model_repetition_penalty(model_path) -> float | None:
+    """repetition_penalty from an HF model directory's generation_config.json, if it sets one."""
+    import json
+    import os
+    path = os.path.join(os.fspath(model_path), "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            value = json.load(f).get("repetition_penalty")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def penalize_repeats(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
+    """transformers' repetition penalty: the logit of every token already in the context is
+    divided by `penalty` where positive and multiplied by it where negative (1: no change)."""
+    if penalty == 1.0 or not len(seen):
+        return logits
+    idx = np.unique(np.asarray(seen, np.int64))
+    out = logits.copy()
+    out[idx] = np.where(out[idx] > 0, out[idx] / penalty, out[idx] * penalty)
+    return out
+
+
 def sample_token(logits: np.ndarray, rng, temperature: float, top_p: float) -> int:
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -27,17 +62,20 @@ def sample_token(logits: np.ndarray, rng, temperature: float, top_p: float) -> i
     return int(rng.choice(len(p), p=p))
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, window: int) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, window: int,
+                   repetition_penalty: float = 1.0) -> None:
     if max_new_tokens < 1 or window < 2:
         raise LoracError("max_new_tokens must be >= 1 and the window >= 2")
     if not 0 < top_p <= 1 or not np.isfinite(temperature) or temperature < 0:
         raise LoracError(f"top_p must lie in (0, 1] and temperature be >= 0, got {top_p}, {temperature}")
+    if not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise LoracError(f"repetition_penalty must be > 0 (1: none), got {repetition_penalty}")
 
 
 def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, window: int = 128) -> list[int]:
+             top_p: float = 1.0, seed: int = 0, window: int = 128, repetition_penalty: float = 1.0) -> list[int]:
     """New token ids after `prompt_ids` (stops at EOS)."""
-    check_sampling(max_new_tokens, temperature, top_p, window)
+    check_sampling(max_new_tokens, temperature, top_p, window, repetition_penalty)
     rng = np.random.default_rng(seed)
     ctx = [int(t) for t in prompt_ids]
     if not ctx:
@@ -47,8 +85,8 @@ def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32
         view = ctx[-window:]
         ids = np.full((1, window), tokenizer.eos_id, np.int64)
         ids[0, : len(view)] = view
-        logits = engine.logits(ids, lora)[0, len(view) - 1]
-        tok = sample_token(logits.astype(np.float64), rng, temperature, top_p)
+        logits = penalize_repeats(engine.logits(ids, lora)[0, len(view) - 1].astype(np.float64), view, repetition_penalty)
+        tok = sample_token(logits, rng, temperature, top_p)
         if tok == tokenizer.eos_id:
             break
         ctx.append(tok)

@@ -163,13 +163,26 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_config(reader, path="GGUF file", meta=None) -> dict:
+    """The HF config dict of an open GGUF file (hf_config over its metadata and tensor names)."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return hf_config(meta or metadata(reader), [t.name for t in reader.tensors], path,
+                     vocab_len=len(tokens.data) if tokens else None)
+
+
+def float_dtype(path) -> str:
+    """The float dtype a GGUF file's matrices are stored in ("float32", "float16", "bfloat16"),
+    "bfloat16" for a quantized file: what a merged export writes by default."""
+    names = {0: "float32", 1: "float16", 30: "bfloat16"}
+    kinds = {int(t.tensor_type) for t in open_gguf(path).tensors if len(t.shape) == 2}
+    return names.get(kinds.pop() if len(kinds) == 1 else None, "bfloat16")
+
+
 def load_gguf(path, dtype=np.float32) -> tuple[dict, dict]:
     """(HF config dict, {HF name: array}) for a GGUF file; every tensor dequantized to dtype."""
     reader = open_gguf(path)
     meta = metadata(reader)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = [t.name for t in reader.tensors]
-    config = hf_config(meta, names, path, vocab_len=len(tokens.data) if tokens else None)
+    config = gguf_config(reader, path, meta)
     _, _, permuted = architecture(meta, path)
     weights = {}
     for t in reader.tensors:
@@ -204,6 +217,8 @@ def tokenizer_info(path_or_reader) -> dict:
         "tokens": get("tokenizer.ggml.tokens"),
         "token_type": get("tokenizer.ggml.token_type"),
         "merges": get("tokenizer.ggml.merges"),
+        "scores": get("tokenizer.ggml.scores"),
+        "add_space_prefix": bool(get("tokenizer.ggml.add_space_prefix", True)),
         "bos_id": get("tokenizer.ggml.bos_token_id"),
         "eos_id": get("tokenizer.ggml.eos_token_id"),
         "add_bos": bool(get("tokenizer.ggml.add_bos_token", False)),
@@ -225,15 +240,17 @@ DIGIT_FIRST = {"smollm", "starcoder", "refact"}
 
 
 def build_tokenizer(info: dict):
-    """A byte-level BPE `tokenizers.Tokenizer` from GGUF vocabulary info (tokenizer_info).
-
-    Only "gpt2" (byte-level BPE: SmolLM, Llama 3, Qwen2/3) is built; sentencepiece
-    ("llama") vocabularies are refused with a clear error.
+    """A `tokenizers.Tokenizer` from GGUF vocabulary info (tokenizer_info): "gpt2" (byte-level
+    BPE: SmolLM, Llama 3, Qwen2/3) here, "llama" (SentencePiece: Llama 2, Mistral) in gguf_spm.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    if info["model"] == "llama":
+        from .gguf_spm import build_spm_tokenizer
+        return build_spm_tokenizer(info)
     if info["model"] != "gpt2":
-        raise LoracError(f"GGUF tokenizer model {info['model']!r} is not supported (only byte-level BPE 'gpt2')")
+        raise LoracError(f"GGUF tokenizer model {info['model']!r} is not supported "
+                         "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
     tokens, merges = info["tokens"], info["merges"]
     if not merges:
         raise LoracError("GGUF byte-level tokenizer has no merges (tokenizer.ggml.merges)")

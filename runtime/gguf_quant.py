@@ -1,6 +1,11 @@
-"""Dequantization of llama.cpp (GGML) tensor blocks to float32, vectorised in numpy.
+"""Dequantization of llama.cpp (GGML) tensors to float32.
 
-Every quantized type stores a row as consecutive blocks of 32 values; a block is a
+Every type the `gguf` package knows (K-quants Q2_K..Q6_K, IQ*, TQ*, Q5_0/Q5_1, ...) goes
+through `gguf.quants.dequantize`. Four types keep lorac's own vectorised numpy code,
+because it is measured faster there (bench/bench_load.py, docs/BENCHMARKS.md "Weight
+loading") and the bundled SmolLM2 file is Q4_1; the tests check both paths bit for bit.
+
+The own types store a row as consecutive blocks of 32 values; a block is a
 little-endian fp16 scale (and for Q4_1 an fp16 minimum) followed by the quants:
 
     Q8_0  34 bytes: d:f16, q:int8[32]                value = d * q
@@ -16,12 +21,11 @@ import numpy as np
 
 from .errors import LoracError
 
-# GGML type ids (ggml.h `enum ggml_type`); only the ones lorac reads are named.
+# GGML type ids (ggml.h `enum ggml_type`) of the types with a path of lorac's own.
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 
 BLOCK = 32  # values per block for every quantized type above
 BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
-TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1"}
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
@@ -62,37 +66,47 @@ def dequant_q4_1(raw: np.ndarray) -> np.ndarray:
     return (_scale(b, 0) * _nibbles(b[:, 4:]) + _scale(b, 2)).reshape(-1)
 
 
+def dequant_bf16(raw: np.ndarray) -> np.ndarray:
+    return bf16_to_f32(np.asarray(raw).view(np.uint16)).reshape(-1)
+
+
+# the types whose own path is faster than gguf.quants (bench/bench_load.py)
+OWN = {Q8_0: dequant_q8_0, Q4_0: dequant_q4_0, Q4_1: dequant_q4_1, BF16: dequant_bf16}
+
+
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple, name: str = "tensor") -> np.ndarray:
     """Raw tensor data of `ggml_type` -> float32 array of `shape` (numpy order, rows last
-    GGUF dimension first). Unsupported types are refused with their name."""
+    GGUF dimension first). Types neither lorac nor gguf can dequantize are refused by name."""
     t = int(ggml_type)
     if t == F32:
         out = np.asarray(raw).view(np.float32)
     elif t == F16:
         out = np.asarray(raw).view(np.float16).astype(np.float32)
-    elif t == BF16:
-        out = bf16_to_f32(np.asarray(raw).view(np.uint16))
-    elif t == Q8_0:
-        out = dequant_q8_0(raw)
-    elif t == Q4_0:
-        out = dequant_q4_0(raw)
-    elif t == Q4_1:
-        out = dequant_q4_1(raw)
+    elif t in OWN:
+        out = OWN[t](raw)
     else:
-        raise LoracError(f"GGUF tensor {name}: quantization type {type_name(t)} is not supported "
-                         f"(supported: {', '.join(TYPE_NAMES.values())})")
+        out = _library(raw, t, shape, name)
     n = int(np.prod(shape))
     if out.size != n:
         raise LoracError(f"GGUF tensor {name}: {out.size} values for shape {tuple(shape)}")
     return out.reshape(shape)
 
 
-def type_name(ggml_type: int) -> str:
-    """A GGML type id -> its llama.cpp name (Q4_K, IQ2_XS, ...), for error messages."""
-    if ggml_type in TYPE_NAMES:
-        return TYPE_NAMES[ggml_type]
-    try:  # gguf knows every type's name; the dequantizer itself does not rely on it
-        import gguf
-        return gguf.GGMLQuantizationType(ggml_type).name
-    except (ImportError, ValueError):
-        return f"type {ggml_type}"
+def _library(raw, t: int, shape, name) -> np.ndarray:
+    """gguf.quants.dequantize over rows of whole blocks."""
+    import gguf
+    try:
+        qtype = gguf.GGMLQuantizationType(t)
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise LoracError(f"GGUF tensor {name}: unknown quantization type {t}") from None
+    flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if shape[-1] % block or flat.size % nbytes:
+        raise LoracError(f"GGUF tensor {name}: {qtype.name} data of {flat.size} bytes does not hold "
+                         f"whole {block}-value blocks of rows of {shape[-1]}")
+    try:
+        return gguf.quants.dequantize(flat.reshape(-1, shape[-1] // block * nbytes), qtype).reshape(-1)
+    except NotImplementedError:
+        raise LoracError(f"GGUF tensor {name}: quantization type {qtype.name} cannot be dequantized "
+                         f"(gguf {getattr(gguf, '__version__', '')} has no dequantizer for it)".replace(" ()", "")) from None
+

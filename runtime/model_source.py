@@ -1,4 +1,5 @@
-"""Where a run's base model comes from: an HF directory, a .gguf file, or the bundled default."""
+"""Where a run's base model comes from: an HF directory, a .gguf file, a Hugging Face Hub id
+(runtime/hub.py), or the bundled default."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,11 @@ class ModelSource:
     def describe(self) -> str:
         return f"{self.name} ({self.path})"
 
+    def config(self) -> dict:
+        """The HF config dict alone (no weights read)."""
+        from .weights import model_config
+        return model_config(self.path)
+
     def load(self):
         """(HF config dict, frozen weights by HF name, Tokenizer)."""
         from .tokenizer import load_tokenizer
@@ -28,6 +34,9 @@ def resolve_model(path: str | None) -> ModelSource:
         from .default_model import default_gguf_path
         return ModelSource(Path(default_gguf_path()), "HuggingFaceTB/SmolLM2-135M-Instruct")
     p = Path(path)
-    if not p.exists():
-        raise LoracError(f"model not found: {path}")
-    return ModelSource(p, os.path.abspath(p))
+    if p.exists():
+        return ModelSource(p, os.path.abspath(p))
+    from .hub import is_repo_id, resolve_hub_model
+    if is_repo_id(path):
+        return ModelSource(resolve_hub_model(path), path.partition(":")[0])
+    raise LoracError(f"model not found: {path}")

@@ -11,7 +11,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,8 @@ import numpy as np
 from lorac.graphs.spec import ALL_TARGETS  # noqa: F401 - the CLI's help lists them
 
 from .errors import LoracError
+from .files import respect_umask
+from .report import Report, compile_all
 
 
 @dataclass
@@ -52,12 +54,15 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     resume: str | None = None
+    adapter: str | None = None  # PEFT adapter to start from; its rank/alpha/targets/layers replace ours
     cache_dir: str = ".lorac-cache"
     eval_fraction: float = 0.05
     sample_prompt: str | None = None  # generated before/after training; None: one from the eval data
     sample_tokens: int = 32
     compile_only: bool = False  # fill the artifact cache for --target and stop (no device needed)
     no_cuda_graph: bool = False  # cuda: run the training step as plain VM calls, not CUDA graphs
+    progress: str = "auto"  # a bar on a terminal, a line per step elsewhere (report.py)
+    report_to: str = "none"  # "tensorboard": scalars to OUT/runs too
     extra: dict = field(default_factory=dict)
 
     def validate(self):
@@ -75,14 +80,18 @@ class TrainConfig:
             raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        from .report import check_report_settings
+        check_report_settings(self.progress, self.report_to)
 
     def layer_range(self, n_layers: int):
         if not self.trained_layers:
             return None
         try:
+            if ":" not in self.trained_layers:  # a list of layers, as an adapter's layers_to_transform
+                return tuple(int(x) for x in self.trained_layers.split(","))
             lo, hi = (int(x) if x else d for x, d in zip(self.trained_layers.split(":"), (0, n_layers)))
         except ValueError:
-            raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30), got {self.trained_layers!r}") from None
+            raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
         return range(lo, hi)
 
 
@@ -112,6 +121,13 @@ class Run:
         self.log(f"model: {self.source.describe()}")
         self.model_config, weights, self.tokenizer = self.source.load()
         self.spec = ModelSpec.from_hf_config(self.model_config)
+        self.adapter = None
+        if cfg.adapter:  # the adapter's settings replace the flags it decides
+            from .adapter_in import read_adapter
+            self.adapter = a = read_adapter(cfg.adapter, self.spec)
+            cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, targets=a.targets,
+                                     trained_layers=a.trained_layers(self.spec.layers))
+            self.log(f"adapter: {a.describe()}")
         extra = {}
         if self.spec.arch == "mamba":
             from lorac.graphs.mamba import DEFAULT_CHUNK, DEVICE_CHUNK
@@ -147,12 +163,15 @@ class Run:
         self.engine = Engine(self.spec, self.train_spec, weights, cfg.target, cfg.dtype, cfg.cache_dir,
                              self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph)
         del weights  # the device holds them now
+        if self.adapter:
+            self.adapter.check_shapes(self.engine.shapes)
         self.model_hash = _model_hash(self.model_config, self.source.path)
 
     # -- state ------------------------------------------------------------------------------
     def fresh_state(self):
         rng = np.random.default_rng(self.cfg.seed)
-        lora = init_lora(self.engine.shapes, rng)
+        lora = init_lora(self.engine.shapes, rng) if self.adapter is None else \
+            {n: self.adapter.lora[n].copy() for n in self.engine.shapes}
         zeros = {n: np.zeros(s, np.float32) for n, s in self.engine.shapes.items()}
         return dict(step=0, updates=0, skipped=0, lora=lora, m=zeros, v=dict(zeros), data=None, rng=rng)
 
@@ -223,12 +242,14 @@ def _sample_ids(run):
 
 
 def show_sample(run, lora, label: str) -> str | None:
-    from .generate import generate
+    from .generate import SAMPLE_REPETITION_PENALTY, generate, model_repetition_penalty
     prompt, ids = _sample_ids(run)
     if prompt is None:
         return None
     tok = run.tokenizer
-    text = tok.decode(generate(run.engine, tok, ids, lora, run.cfg.sample_tokens, window=_window(len(ids), run.cfg)))
+    penalty = model_repetition_penalty(run.source.path) or SAMPLE_REPETITION_PENALTY
+    text = tok.decode(generate(run.engine, tok, ids, lora, run.cfg.sample_tokens, window=_window(len(ids), run.cfg),
+                               repetition_penalty=penalty))
     run.log(f"--- sample ({label}) ---\n> {prompt}\n{text}\n---")
     return text
 
@@ -250,13 +271,18 @@ def _jsonable(x):
     return json.loads(json.dumps(x, default=str))
 
 
-def precompile(run: Run) -> dict:
-    """Compile every graph the run would use into the cache (compile here, train elsewhere)."""
+def graph_kinds(run: Run) -> list[str]:
+    """The graphs the run uses (Engine.compile's kinds)."""
     kinds = ["train", "adamw"] + (["eval"] if run.cfg.eval_batches else [])
     _, ids = _sample_ids(run)
     if ids is not None:
         kinds.append(f"forward:1,{_window(len(ids), run.cfg)}")
-    arts = {k: str(run.engine.compile(k)) for k in kinds}
+    return kinds
+
+
+def precompile(run: Run) -> dict:
+    """Compile every graph the run would use into the cache (compile here, train elsewhere)."""
+    arts = {k: str(run.engine.compile(k)) for k in graph_kinds(run)}
     run.log(f"compiled {len(arts)} artifacts for {run.cfg.target} into {run.cfg.cache_dir}")
     return {"compiled": arts}
 
@@ -305,12 +331,9 @@ def _train(cfg: TrainConfig, log=None) -> dict:
     eng.set_state(st["lora"], st["m"], st["v"])
     if cfg.resume:  # steps after the checkpoint are made again: drop their old lines
         resume.truncate_metrics(out / "metrics.jsonl", st["step"])
-    metrics = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
-
-    def emit(rec):
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
-
+    report = Report(out, cfg.progress, cfg.report_to, cfg.resume, log)
+    log = run.log = eng.log = report.log  # above the progress bar, where there is one
+    compile_all(eng, graph_kinds(run), cfg.progress)
     # Ctrl-C, SIGTERM, SIGHUP: finish the step, save a checkpoint, exit nonzero. The handlers
     # stay until the end: a Ctrl-C inside a compiled call would surface as a TVM error from
     # the GEMM callback rather than as KeyboardInterrupt
@@ -319,7 +342,7 @@ def _train(cfg: TrainConfig, log=None) -> dict:
     first_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
     if first_eval is not None:
         if not cfg.resume:
-            emit(dict(step=st["step"], eval_loss=first_eval))
+            report.eval(st["step"], first_eval)
         log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
     base_sample = show_sample(run, eng.lora, "base model") if not cfg.resume else None
     tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
@@ -351,18 +374,17 @@ def _train(cfg: TrainConfig, log=None) -> dict:
         dt = time.perf_counter() - t0
         done = st["step"] - start_step
         eta = (time.perf_counter() - t_start) / done * (cfg.steps - st["step"])
-        emit(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
-                  tokens_per_s=tokens_per_step / dt, step_s=dt))
-        log(f"step {st['step']:5d}/{cfg.steps} | loss {loss:.4f} | lr {lr_a:.2e} | gnorm {gnorm:.3f} | "
-            f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.0f} ms | eta {eta:5.0f} s")
+        report.step(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
+                         tokens_per_s=tokens_per_step / dt, step_s=dt), cfg.steps, eta)
         if cfg.eval_batches and (st["step"] % cfg.eval_every == 0 or st["step"] == cfg.steps):
             ev = run.evaluate(eng.lora)
-            emit(dict(step=st["step"], eval_loss=ev))
+            report.eval(st["step"], ev)
             log(f"eval loss after step {st['step']}: {ev:.4f}")
         if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
             path = run.save(st, batches)
+            respect_umask(path)
             log(f"checkpoint: {path}")
-    metrics.close()
+    report.close()
     interrupted = st["step"] < cfg.steps  # a signal after the last step does not count
     final_eval = run.evaluate(eng.lora) if cfg.eval_batches and not interrupted else None
     if final_eval is not None:
@@ -378,6 +400,7 @@ def _train(cfg: TrainConfig, log=None) -> dict:
         try:
             adapter = export_peft(out / "adapter", eng.state_numpy()[0], alpha=cfg.alpha, use_rslora=cfg.rslora,
                                   base_model_name_or_path=run.source.name, num_hidden_layers=run.spec.layers, warn=log)
+            respect_umask(adapter)
         except PeftRefused as e:  # e.g. LoRA on Mamba's out_proj only: the checkpoint exports as merged
             log(f"no PEFT adapter written: {e}")
             adapter = None

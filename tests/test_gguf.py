@@ -30,10 +30,10 @@ def test_dequant_matches_gguf_reference(name):
     np.testing.assert_array_equal(ours, ref)
 
 
-def test_unsupported_quant_type_is_named():
-    raw = np.zeros((1, 144), dtype=np.uint8)
-    with pytest.raises(LoracError, match="Q4_K is not supported"):
-        gq.dequantize(raw, int(gguf.GGMLQuantizationType.Q4_K), (1, 256), "blk.0.attn_q.weight")
+def test_type_without_dequantizer_is_named():
+    raw = np.zeros((1, 292), dtype=np.uint8)  # Q8_K: llama.cpp's dot-product scratch type
+    with pytest.raises(LoracError, match="blk.0.attn_q.weight: quantization type Q8_K cannot be dequantized"):
+        gq.dequantize(raw, int(gguf.GGMLQuantizationType.Q8_K), (1, 256), "blk.0.attn_q.weight")
 
 
 def llama_cpp_permute(w, n_head):
@@ -100,8 +100,22 @@ def gguf_name(name):
             "lm_head.weight": "output.weight"}[name]
 
 
+# byte offsets of the fp16 super-block scales (d, and dmin where there is one) in each type's block
+RANDOM_BLOCKS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_K": ()}
+
+
+def random_blocks(qt, shape, rng):
+    """Blocks of random quants with small finite scales, rows of shape[1] values."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, nbytes), dtype=np.uint8)
+    for at in RANDOM_BLOCKS[qt.name]:
+        raw[..., at:at + 2] = rng.uniform(1e-3, 2e-2, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
 def write_gguf(path, arch, w, heads=4, kv=2, head_dim=8, qtype="F32", permute=True):
-    """A GGUF file as llama.cpp's converter would write this model (2-D tensors in qtype)."""
+    """A GGUF file as llama.cpp's converter would write this model (2-D tensors in qtype, a
+    type name or a function of the HF tensor name; random blocks for types gguf cannot quantize to)."""
     writer = gguf.GGUFWriter(str(path), arch)
     hidden = w["model.embed_tokens.weight"].shape[1]
     writer.add_block_count(sum(1 for k in w if k.endswith("input_layernorm.weight")))
@@ -121,11 +135,10 @@ def write_gguf(path, arch, w, heads=4, kv=2, head_dim=8, qtype="F32", permute=Tr
             t = llama_cpp_permute(t, heads)
         elif permute and name.endswith("k_proj.weight"):
             t = llama_cpp_permute(t, kv)
-        if t.ndim == 2 and qtype == "Q4_K":  # gguf cannot quantize to it: zero blocks will do
-            qt = gguf.GGMLQuantizationType.Q4_K
-            writer.add_tensor(gguf_name(name), np.zeros((t.shape[0], t.shape[1] // 256 * 144), np.uint8), raw_dtype=qt)
-        elif t.ndim == 2 and qtype != "F32":
-            qt = gguf.GGMLQuantizationType[qtype]
+        qt = gguf.GGMLQuantizationType[qtype(name) if callable(qtype) else qtype]
+        if t.ndim == 2 and qt.name in RANDOM_BLOCKS:  # gguf cannot quantize to these: random blocks
+            writer.add_tensor(gguf_name(name), random_blocks(qt, t.shape, np.random.default_rng(len(name))), raw_dtype=qt)
+        elif t.ndim == 2 and qt.name != "F32":
             writer.add_tensor(gguf_name(name), quants.quantize(t, qt), raw_dtype=qt)
         else:
             writer.add_tensor(gguf_name(name), t)
@@ -175,8 +188,8 @@ def test_unsupported_quant_in_file(tmp_path):
     rng = np.random.default_rng(2)
     w = hf_weights("llama", rng, hidden=256, heads=4, kv=2, head_dim=64, ffn=256)
     path = tmp_path / "k.gguf"
-    write_gguf(path, "llama", w, head_dim=64, qtype="Q4_K")
-    with pytest.raises(LoracError, match="Q4_K is not supported"):
+    write_gguf(path, "llama", w, head_dim=64, qtype="Q8_K")
+    with pytest.raises(LoracError, match="Q8_K cannot be dequantized"):
         load_gguf(path)
 
 

@@ -89,6 +89,17 @@ def test_peft_and_merged_exports_match_lorac_logits(workdir, trained):
     assert (workdir / "a.gguf").stat().st_size > 0
 
 
+def test_written_files_respect_the_umask(workdir, trained):
+    """The safetensors library creates files 0600; lorac gives everything it writes umask's modes."""
+    from lorac.runtime.files import current_umask
+    r = _run(["export", "--checkpoint", str(trained / "checkpoints"), "--out", str(workdir / "peft")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    files = [*(trained / "adapter").iterdir(), *(workdir / "peft").iterdir(),
+             *next((trained / "checkpoints").glob("ckpt-*")).iterdir()]
+    assert any(f.suffix == ".safetensors" for f in files)
+    assert {f.name: f.stat().st_mode & 0o777 for f in files} == {f.name: 0o666 & ~current_umask() for f in files}
+
+
 def test_ctrl_c_saves_and_resume_equals_uninterrupted_run(workdir, trained):
     out = workdir / "interrupted"
     # an eval after every step slows the run (not its losses) so the signal lands mid-run

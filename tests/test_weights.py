@@ -72,23 +72,23 @@ def write_safetensors(path, header, data=b""):
 def test_corrupt_files(tmp_path):
     p = tmp_path / "x.safetensors"
     p.write_bytes(b"\x01\x02")
-    with pytest.raises(LoracError, match="shorter than its 8-byte header length"):
+    with pytest.raises(LoracError, match=r"corrupt safetensors file \(header too small\)"):
         load_safetensors(p)
     p.write_bytes(struct.pack("<Q", 10_000) + b"{}")
-    with pytest.raises(LoracError, match="header length 10000 exceeds the file"):
+    with pytest.raises(LoracError, match=r"corrupt safetensors file \(invalid header length\)"):
         load_safetensors(p)
     p.write_bytes(struct.pack("<Q", 4) + b"{{{{")
-    with pytest.raises(LoracError, match="header is not JSON"):
+    with pytest.raises(LoracError, match=r"corrupt safetensors file \(invalid JSON in header"):
         load_safetensors(p)
     write_safetensors(p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)
-    with pytest.raises(LoracError, match=r"tensor a lies at bytes 0\.\.16, past the 8 bytes of data; truncated"):
+    with pytest.raises(LoracError, match=r"corrupt safetensors file \(incomplete metadata, file not fully covered\)"):
         load_safetensors(p)
     write_safetensors(p, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 16)
-    with pytest.raises(LoracError, match="16 bytes for shape"):
+    with pytest.raises(LoracError, match="invalid shape, data type, or offset for tensor"):
         load_safetensors(p)
     write_safetensors(p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
                           "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, b"\0" * 16)
-    with pytest.raises(LoracError, match="overlap"):
+    with pytest.raises(LoracError, match="invalid offset for tensor `b`"):
         load_safetensors(p)
     write_safetensors(p, {"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8)
     with pytest.raises(LoracError, match="unsupported dtype C64"):
@@ -99,7 +99,7 @@ def test_truncated_real_file(tmp_path):
     tiny_model().save_pretrained(tmp_path)
     f = tmp_path / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
-    with pytest.raises(LoracError, match="corrupt safetensors file.*truncated"):
+    with pytest.raises(LoracError, match="corrupt safetensors file .incomplete metadata, file not fully covered"):
         load_model(tmp_path)
 
 

@@ -30,8 +30,9 @@ def char_tokenizer_json(path: Path) -> int:
 
 
 def make_model_dir(root: Path, arch: str = "qwen3", layers: int = 2, seed: int = 0, **over) -> Path:
-    import torch
-    import transformers
+    import pytest
+    torch = pytest.importorskip("torch")  # transformers writes the model: without torch the test skips
+    transformers = pytest.importorskip("transformers")
     from oracles import HF_CLASSES
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -53,8 +54,9 @@ def make_mamba_dir(root: Path, layers: int = 2, seed: int = 0, **over) -> Path:
     """A tiny random HF MambaForCausalLM directory with the same char tokenizer. HF's init
     gives dt in [1e-3, 0.1]; dt_proj's bias is raised to softplus^-1(U(0.2, 1.5)) so the scan
     (and LoRA on x_proj / dt_proj) matters."""
-    import torch
-    import transformers
+    import pytest
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     vocab = char_tokenizer_json(root / "tokenizer.json")
