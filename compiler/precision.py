@@ -22,6 +22,10 @@ def is_frozen_weight(name: str) -> bool:
     return (name.endswith("_weight") or name.endswith("_bias")) and "lora_" not in name
 
 
+_TAKE = tvm.ir.Op.get("relax.take")
+_ASTYPE = tvm.ir.Op.get("relax.astype")
+
+
 @mutator
 class _Widen(PyExprMutator):
     def __init__(self, mod, narrowed: dict):
@@ -33,6 +37,21 @@ class _Widen(PyExprMutator):
         if new is None:
             return var
         return relax.op.astype(new, "float32")
+
+    def visit_call_(self, call):
+        """A gather (the embedding lookup) from a widened weight gathers from the bf16
+        weight and widens the rows it took: no fp32 copy of the whole [vocab, hidden] table
+        each step (622 MB for Qwen3-0.6B, 2.1 GB for a Llama-3-8B shape)."""
+        call = super().visit_call_(call)
+        if call.op != _TAKE:
+            return call
+        src = call.args[0]
+        if isinstance(src, relax.Var):
+            src = self.lookup_binding(src)
+        if isinstance(src, relax.Call) and src.op == _ASTYPE and src.args[0].ty.dtype == "bfloat16":
+            rows = self.builder_.emit(relax.Call(call.op, [src.args[0], *call.args[1:]], call.attrs))
+            return relax.op.astype(rows, "float32")
+        return call
 
 
 def frozen_weights_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:
