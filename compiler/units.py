@@ -17,6 +17,7 @@ before loading the library.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import onnx
 
@@ -28,7 +29,43 @@ def split_units(model: onnx.ModelProto, native: dict) -> tuple[onnx.ModelProto, 
     the model uses)."""
     used = sorted({n.op_type for n in model.graph.node if n.domain == DOMAIN})
     mapped = [u for u in used if u in native]
-    return inline_units(model, keep=tuple(mapped)), mapped
+    inlined = inline_units(model, keep=tuple(mapped))
+    return (dedupe_inlined(inlined) if len(mapped) < len(used) else inlined), mapped
+
+
+_INLINED = re.compile(r"__\d+$")  # onnx.inliner names each node of an inlined body <name>__<k>
+
+
+def dedupe_inlined(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Merge the nodes of inlined unit bodies that compute the same thing from the same
+    values (common subexpressions). An attention backward recomputes the forward's masked
+    scores from the same q and k, and transposes q, k, v as the forward did: merged, the
+    backward reads what the forward computed (as the CPU path did before attention became
+    units: one q k^T GEMM a layer instead of two). Only inlined nodes merge, so a
+    checkpointed layer's recomputed forward (its own q and k) stays apart from the original."""
+    seen: dict = {}
+    rename: dict = {}
+    keep = []
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+        if not _INLINED.search(node.name):
+            keep.append(node)
+            continue
+        key = (node.domain, node.op_type, tuple(node.input),
+               tuple(a.SerializeToString() for a in sorted(node.attribute, key=lambda a: a.name)))
+        hit = seen.get(key)
+        if hit is None:
+            seen[key] = list(node.output)
+            keep.append(node)
+        else:
+            rename.update(zip(node.output, hit))
+    for out in model.graph.output:
+        out.name = rename.get(out.name, out.name)
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    return model
 
 
 @contextlib.contextmanager
