@@ -31,7 +31,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .relax_rewrite import rewrite_functions
+from .relax_rewrite import dataflow_blocks, rewrite_functions
 
 GEMM_PREFIX = "lorac.gemm_"
 GEMM_NAMES = tuple(GEMM_PREFIX + a + b for a in "nt" for b in "nt")
@@ -163,21 +163,16 @@ class _GemmRewriter(PyExprMutator):
 def _matmul_only_transposes(mod: tvm.IRModule) -> set:
     """Dataflow variables bound to a last-two-axes transpose whose every reader is a matmul."""
     out = set()
-    for func in mod.functions.values():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        for block in func.body.blocks:
-            if not isinstance(block, relax.DataflowBlock):
-                continue
-            values = {b.var: b.value for b in block.bindings}
-            for var, users in relax.analysis.udchain(block).items():
-                call = values.get(var)
-                if (isinstance(var, relax.DataflowVar) and isinstance(call, relax.Call) and call.op == _PERMUTE
-                        and len(users) > 0
-                        and all(isinstance(values.get(u), relax.Call) and values[u].op == _MATMUL for u in users)):
-                    shape = _static_shape(call.args[0].ty)
-                    if shape is not None and _swaps_last_two(call.attrs.axes, len(shape)):
-                        out.add(var)
+    for block in dataflow_blocks(mod):
+        values = {b.var: b.value for b in block.bindings}
+        for var, users in relax.analysis.udchain(block).items():
+            call = values.get(var)
+            if (isinstance(var, relax.DataflowVar) and isinstance(call, relax.Call) and call.op == _PERMUTE
+                    and len(users) > 0
+                    and all(isinstance(values.get(u), relax.Call) and values[u].op == _MATMUL for u in users)):
+                shape = _static_shape(call.args[0].ty)
+                if shape is not None and _swaps_last_two(call.attrs.axes, len(shape)):
+                    out.add(var)
     return out
 
 

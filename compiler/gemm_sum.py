@@ -18,7 +18,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .gemm import GEMM_PREFIX, _static_shape
-from .relax_rewrite import rewrite_functions
+from .relax_rewrite import dataflow_blocks, rewrite_functions
 
 ACC_PREFIX = GEMM_PREFIX + "acc_"
 _ADD = tvm.ir.Op.get("relax.add")
@@ -26,15 +26,7 @@ _DPS = tvm.ir.Op.get("relax.call_dps_packed")
 
 
 def _use_counts(mod: tvm.IRModule) -> dict:
-    counts: dict = {}
-    for func in mod.functions.values():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        for block in func.body.blocks:
-            if isinstance(block, relax.DataflowBlock):
-                for var, users in relax.analysis.udchain(block).items():
-                    counts[var] = len(users)
-    return counts
+    return {var: len(users) for block in dataflow_blocks(mod) for var, users in relax.analysis.udchain(block).items()}
 
 
 @mutator

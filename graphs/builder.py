@@ -36,7 +36,7 @@ class GraphBuilder:
         self._consts: dict[tuple, ir.Value] = {}
         self._count = 0
         self.scope = ""  # prefix for node names, e.g. "L3.fwd"
-        self.functions: dict[tuple, ir.Function] = {}  # (domain, name, overload) -> body
+        self.functions: dict[tuple, ir.Function] = {}  # (domain, name) -> the unit's body
 
     # -- values -------------------------------------------------------------------------
     def input(self, name: str, shape, dtype=None) -> ir.Value:
@@ -73,10 +73,10 @@ class GraphBuilder:
         return self.const(np.array(xs, dtype=np.int64))
 
     # -- nodes --------------------------------------------------------------------------
-    def op(self, op_type: str, *inputs, n_out: int = 1, **attrs):
+    def op(self, op_type: str, *inputs, n_out: int = 1, domain: str = "", **attrs):
         self._count += 1
         name = f"{self.scope}/{op_type}_{self._count}" if self.scope else f"{op_type}_{self._count}"
-        node = ir.Node("", op_type, list(inputs), attributes=_attrs(attrs), num_outputs=n_out, name=name)
+        node = ir.Node(domain, op_type, list(inputs), attributes=_attrs(attrs), num_outputs=n_out, name=name)
         for i, out in enumerate(node.outputs):
             out.name = f"{name}:{i}"
         self.nodes.append(node)
@@ -91,7 +91,7 @@ class GraphBuilder:
         (IR 9 has no function overloads)."""
         key = (DOMAIN, name)
         if key not in self.functions:
-            fb = FunctionBuilder(f"{name}", self.np_float)
+            fb = FunctionBuilder(name, self.np_float)
             params = [fb.param(f"in{i}") for i in range(len(inputs))]
             outs = body(fb, *params)
             outs = [outs] if isinstance(outs, ir.Value) else list(outs)
@@ -102,13 +102,7 @@ class GraphBuilder:
                                opset_imports={"": OPSET}, name=name, doc_string=variant))
         elif self.functions[key].doc_string != variant:
             raise ValueError(f"unit {name}: variant {variant} in a graph that already has {self.functions[key].doc_string}")
-        self._count += 1
-        node_name = f"{self.scope}/{name}_{self._count}" if self.scope else f"{name}_{self._count}"
-        node = ir.Node(DOMAIN, name, list(inputs), num_outputs=n_out, name=node_name)
-        for i, out in enumerate(node.outputs):
-            out.name = f"{node_name}:{i}"
-        self.nodes.append(node)
-        return node.outputs[0] if n_out == 1 else tuple(node.outputs)
+        return self.op(name, *inputs, n_out=n_out, domain=DOMAIN)
 
     def output(self, value: ir.Value, name: str) -> ir.Value:
         """Expose `value` under `name`; an Identity keeps graph inputs and outputs distinct."""

@@ -105,6 +105,7 @@ class Engine:
         self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
         self._weights = None
         self._arts: dict = {}
+        self._owned: dict = {}  # plain artifacts' own copies of the LoRA views (_feed)
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
@@ -194,14 +195,13 @@ class Engine:
         if not views or step.bound_inputs:
             return lora
         import tvm
-        owned = self.__dict__.setdefault("_owned", {})
         out = {}
         for n, t in lora.items():
             if views.get(n) is t:
-                if n not in owned:
-                    owned[n] = tvm.runtime.empty(tuple(t.shape), str(t.dtype), t.device)
-                t.copyto(owned[n])
-                t = owned[n]
+                if n not in self._owned:
+                    self._owned[n] = tvm.runtime.empty(tuple(t.shape), str(t.dtype), t.device)
+                t.copyto(self._owned[n])
+                t = self._owned[n]
             out[n] = t
         return out
 
