@@ -44,14 +44,14 @@ def main() -> None:
     gemm_cuda.gemm(False, True, a, b, out)
     dev.sync()
     f, h = gemm_cuda._fn, gemm_cuda._handle
-    key = (False, True, (512, 1024), (16, 1024), (512, 16), "bfloat16", "bfloat16")
-    opb, opa, n_, m_, k_, bt, ldb, sb, at, lda, sa, ldc, sc, batch = gemm_cuda._plan(*key)
+    key = (False, True, (512, 1024), (16, 1024), (512, 16), "bfloat16", "bfloat16", "float32")
+    opb, opa, n_, m_, k_, bt, ldb, sb, at, lda, sa, ot, ldc, sc, batch = gemm_cuda._plan(*key)
     pa, pb, po = a.data_ptr(), b.data_ptr(), out.data_ptr()
     one, zero = gemm_cuda._ONE, gemm_cuda._ZERO
 
     def bare():
         f(h, opb, opa, n_, m_, k_, ctypes.byref(one), pb, bt, ldb, sb, pa, at, lda, sa, ctypes.byref(zero),
-          po, 0, ldc, sc, batch, 68, -1)
+          po, ot, ldc, sc, batch, 68, -1)
 
     rt = gemm_cuda.load_library("libcudart")
     r = {

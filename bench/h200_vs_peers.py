@@ -85,12 +85,11 @@ def _gpu_used() -> int:
     return total.value - free.value
 
 
-def lorac_case(cache: str, case: str, steps: int = 10) -> dict:
-    """One case's full steps in this process (no torch): ms per step, memory, losses."""
-    sys.modules["torch"] = None
+def case_engine(cache: str, case: str):
+    """An engine for `case` with random frozen weights and LoRA state, ready to step:
+    (engine, spec, optimizer config, manifest, batches, GPU bytes in use before loading)."""
     import ml_dtypes
     from lorac.runtime.artifact import read_manifest
-    from lorac.runtime.optim import group_lrs
     from lorac.runtime.train import init_lora
 
     eng, spec, optim = _engine(case, cache)
@@ -112,14 +111,30 @@ def lorac_case(cache: str, case: str, steps: int = 10) -> dict:
     eng.set_state(init_lora(eng.shapes, np.random.default_rng(1)), zeros, dict(zeros))
     B, S = CASES[case][2], CASES[case][3]
     batches = [np.random.default_rng(2 + i).integers(0, spec.vocab, (B, S)).astype(np.int64) for i in range(4)]
+    return eng, spec, optim, m, batches, base
+
+
+def full_step(eng, optim, ids, t: int) -> float:
+    """What `lorac train` runs each step: the compiled step, the loss read back (a sync), the
+    LoRA+ AdamW update with clipping (its grad-norm read syncs again). -> the loss."""
+    from lorac.runtime.optim import group_lrs
+    out = eng.step({"input_ids": ids, "labels": ids}, eng.lora)
+    loss = out.pop("loss")
+    eng.update(out, *group_lrs(t, optim), t)
+    return loss
+
+
+def lorac_case(cache: str, case: str, steps: int = 10) -> dict:
+    """One case's full steps in this process (no torch): ms per step, memory, losses."""
+    sys.modules["torch"] = None
+    eng, spec, optim, m, batches, base = case_engine(cache, case)
+    B, S = CASES[case][2], CASES[case][3]
     times, losses = [], []
     t_first = time.perf_counter()
     for t in range(1, steps + 4):
         ids = batches[t % len(batches)]
         t0 = time.perf_counter()
-        out = eng.step({"input_ids": ids, "labels": ids}, eng.lora)  # the loss read syncs
-        loss = out.pop("loss")
-        eng.update(out, *group_lrs(t, optim), t)  # the grad-norm read syncs
+        loss = full_step(eng, optim, ids, t)
         times.append(time.perf_counter() - t0)
         losses.append(round(loss, 5))
         if t == 1:

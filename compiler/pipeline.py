@@ -6,7 +6,9 @@
     prepare  the target's own Relax rewrites (WebGPU: 64-bit ints to 32-bit).
     dtype    bfloat16: frozen weights become bf16 inputs (precision.py).
     gemm     every matmul -> a runtime-registered vendor GEMM (gemm.py), on targets
-             that have a library; the others keep TVM's kernels.
+             that have a library; the others keep TVM's kernels. Sums of GEMMs accumulate
+             in one call (gemm_sum.py); in bf16, activations leave the GEMMs in bf16
+             (gemm_output.py).
     build    the target module's Relax passes (legalize, fuse, schedule, lower) and
              tvm.compile, then the target's export writes the library into the artifact.
 
@@ -137,6 +139,29 @@ def import_onnx(proto: onnx.ModelProto, tmod, dtype: str):
     return mod, units, list(calls.values())
 
 
+def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
+    """The Relax module a target builds, before its own passes: import (units.py), the
+    target's prepare, bf16 weights (precision.py), GEMM dispatch (gemm.py), accumulating
+    sums (gemm_sum.py) and bf16 GEMM outputs (gemm_output.py). -> (module, mapped units,
+    their calls, the manifest's `gemm` record)."""
+    mod, units, unit_calls = import_onnx(proto, tmod, dtype)
+    mod = tmod.prepare(mod)
+    if dtype == "bfloat16":
+        from .precision import frozen_weights_to_bf16
+        mod = frozen_weights_to_bf16(mod)
+    gemm = {"dispatched": 0, "left_to_tvm": []}
+    if tmod.GEMM_LIBRARY:
+        from .gemm import dispatch_gemms
+        from .gemm_sum import fuse_gemm_sums
+        mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
+        mod, acc = fuse_gemm_sums(mod) if getattr(tmod, "ACCUMULATING_GEMMS", False) else (mod, [])
+        gemm = {"dispatched": n, "left_to_tvm": left, "accumulating": acc}
+        if dtype == "bfloat16":
+            from .gemm_output import narrow_gemm_outputs
+            mod, gemm["bf16_outputs"] = narrow_gemm_outputs(mod)
+    return mod, units, unit_calls, gemm
+
+
 def bind_all_inputs(mod):
     """Mark every parameter of `main` static for RewriteCUDAGraph (Relax attribute num_input
     = 0: no parameter changes between calls), so CUDA graphs may capture work that reads
@@ -206,18 +231,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     if getattr(tmod, "ISOLATE_BUILD", False) and not os.environ.get(_ISOLATED):
         return _build_in_child(proto, request, art_dir, dtype, family)
     t0 = time.perf_counter()
-    mod, units, unit_calls = import_onnx(proto, tmod, dtype)
-    mod = tmod.prepare(mod)
-    if dtype == "bfloat16":
-        from .precision import frozen_weights_to_bf16
-        mod = frozen_weights_to_bf16(mod)
-    gemm = {"dispatched": 0, "left_to_tvm": []}
-    if tmod.GEMM_LIBRARY:
-        from .gemm import dispatch_gemms
-        from .gemm_sum import fuse_gemm_sums
-        mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
-        mod, acc = fuse_gemm_sums(mod) if getattr(tmod, "ACCUMULATING_GEMMS", False) else (mod, [])
-        gemm = {"dispatched": n, "left_to_tvm": left, "accumulating": acc}
+    mod, units, unit_calls, gemm = lower_to_relax(proto, tmod, dtype)
     inputs, outputs = _signature(proto, mod["main"])
     bound = bool(getattr(tmod, "binds_inputs", lambda _r: False)(request))
     if bound:

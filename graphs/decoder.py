@@ -94,10 +94,10 @@ def layer_forward(c: Ctx, x, L: Layer):
     x1 = g.op("Add", x, o)
     h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
     (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
-    act, sg = swiglu_forward(g, gt, up)
+    act = swiglu_forward(g, gt, up)
     dn, ud = linear_forward(g, act, L.proj["down_proj"])
     saved = dict(h1=h1, n1=n1, u=dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo, down_proj=ud),
-                 nq=nq, nk=nk, sa=sa, a2=a2, h2=h2, n2=n2, gt=gt, up=up, sg=sg, act=act)
+                 nq=nq, nk=nk, sa=sa, a2=a2, h2=h2, n2=n2, gt=gt, up=up, act=act)
     return g.op("Add", x1, dn), saved
 
 
@@ -117,7 +117,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
 
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dact = proj_back(dy, s["act"], "down_proj")
-    dgt, dup = swiglu_backward(g, dact, s["gt"], s["up"], s["sg"])
+    dgt, dup = swiglu_backward(g, dact, s["gt"], s["up"])
     dh2 = g.add_all(proj_back(dgt, s["h2"], "gate_proj"), proj_back(dup, s["h2"], "up_proj"))
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s["n2"]))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)

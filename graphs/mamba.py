@@ -119,10 +119,10 @@ def layer_forward(c: Ctx, x, L: MambaLayer):
     A = g.op("Neg", g.op("Exp", L.a_log))  # [I, M], < 0
     y, h0 = scan_forward(g, u, dt, A, Bm, Cm, L.d, d)
     y2 = g.reshape(y, N, I)
-    gated, sg = swiglu_forward(g, z, y2)  # silu(z) * y
+    gated = swiglu_forward(g, z, y2)  # silu(z) * y
     o, u_out = linear_forward(g, gated, L.proj["out_proj"])
     saved = dict(h=h, nrm=nrm, z=z, xc=xc, sig=sig, u=u, u2=u2, dtr=dtr, Bm=Bm, Cm=Cm, dtp=dtp, dt=dt, A=A,
-                 h0=h0, y2=y2, sg=sg, gated=gated,
+                 h0=h0, y2=y2, gated=gated,
                  lora=dict(in_proj=u_in, x_proj=u_x, dt_proj=u_dt, out_proj=u_out))
     return g.op("Add", x, o), saved
 
@@ -148,7 +148,7 @@ def layer_backward(c: Ctx, dy, L: MambaLayer, s: dict, need_dx: bool, grads: dic
     dgated = proj_back(dy, s["gated"], "out_proj", depth >= 1)
     if depth < 1:
         return None
-    dz, dy2 = swiglu_backward(g, dgated, s["z"], s["y2"], s["sg"])
+    dz, dy2 = swiglu_backward(g, dgated, s["z"], s["y2"])
     du, ddt, dBm, dCm = scan_backward(g, g.reshape(dy2, B, S, I), s["u"], s["dt"], s["A"], s["Bm"], s["Cm"], L.d,
                                       s["h0"], d)
     # dt = softplus(dtp): softplus' = sigmoid

@@ -1,7 +1,8 @@
 """cuBLAS GEMMs for CUDA artifacts, through ctypes (no torch, no cupy at run time).
 
 Contract (runtime/gemm.py): row-major out[..., M, N] = op_a(a) @ op_b(b), operands bf16 or
-fp32, output fp32, accumulation fp32 (CUBLAS_COMPUTE_32F: no TF32 shortcut for fp32).
+fp32, output fp32 or bf16 (compiler/gemm_output.py), accumulation fp32 (CUBLAS_COMPUTE_32F:
+no TF32 shortcut for fp32).
 
 cuBLAS is column-major. A row-major [R, C] buffer read column-major is its transpose, so
 the row-major product C = A·B is computed as the column-major C^T = B^T·A^T: cuBLAS's
@@ -76,7 +77,7 @@ def _init():
     _fn, _handle = f, h
 
 
-def _plan(ta: bool, tb: bool, sa: tuple, sb: tuple, so: tuple, da: str, db: str) -> tuple:
+def _plan(ta: bool, tb: bool, sa: tuple, sb: tuple, so: tuple, da: str, db: str, do: str) -> tuple:
     M, N = so[-2], so[-1]
     K = sa[-2] if ta else sa[-1]
     batch = 1
@@ -90,14 +91,14 @@ def _plan(ta: bool, tb: bool, sa: tuple, sb: tuple, so: tuple, da: str, db: str)
     return (_OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
             _DTYPE[db], K if tb else N, stride_b,
             _DTYPE[da], M if ta else K, stride_a,
-            N, M * N if batch > 1 else 0, batch)
+            _DTYPE[do], N, M * N if batch > 1 else 0, batch)
 
 
 def gemm(ta: bool, tb: bool, a, b, out, accumulate: bool = False) -> None:
     """out = op(a) op(b), or out += op(a) op(b) with `accumulate` (beta = 1)."""
     if _handle is None:
         _init()
-    key = (ta, tb, tuple(a.shape), tuple(b.shape), tuple(out.shape), str(a.dtype), str(b.dtype))
+    key = (ta, tb, tuple(a.shape), tuple(b.shape), tuple(out.shape), str(a.dtype), str(b.dtype), str(out.dtype))
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(*key)
@@ -105,9 +106,9 @@ def gemm(ta: bool, tb: bool, a, b, out, accumulate: bool = False) -> None:
     if stream != _stream[0]:
         _lib.cublasSetStream_v2(_handle, stream)
         _stream[0] = stream
-    opb, opa, n, m, k, bt, ldb, sb, at, lda, sa, ldc, sc, batch = plan
+    opb, opa, n, m, k, bt, ldb, sb, at, lda, sa, ot, ldc, sc, batch = plan
     st = _fn(_handle, opb, opa, n, m, k, ctypes.byref(_ONE),
              b.data_ptr(), bt, ldb, sb, a.data_ptr(), at, lda, sa, ctypes.byref(_ONE if accumulate else _ZERO),
-             out.data_ptr(), _R_32F, ldc, sc, batch, _COMPUTE_32F, _GEMM_DEFAULT)
+             out.data_ptr(), ot, ldc, sc, batch, _COMPUTE_32F, _GEMM_DEFAULT)
     if st != 0:
         raise LoracError(f"cuBLAS GEMM failed (status {st}) for {list(a.shape)} x {list(b.shape)} -> {list(out.shape)}")
