@@ -4,9 +4,9 @@
 with one change: a DLight rule that raises on a kernel it claims (0.27's GPU Reduction rule
 asserts on the Mamba scan's fused contraction in fp32) counts as declining it, so the next
 rule (GeneralReduction, then Fallback) schedules that kernel instead of the build failing.
-Reductions that every DLight rule declines (0.27's rules take sums but not `max`: the loss's
-row max over the vocabulary fell to Fallback, one thread per row, 79 ms of a 347 ms Qwen3-0.6B
-step on the H200) get `RowReduction` before Fallback.
+Reductions that every DLight rule declines get `RowReduction` (gpu_schedule.py) before
+Fallback; a target may put its own rules first (CUDA: vectorized elementwise kernels and a
+warp per short row).
 
 `relax_passes` is the whole pipeline of the GPU targets that have no vendor GEMM library in
 lorac (OpenCL, WebGPU, ROCm, Metal): every op, matmuls included, is a TVM kernel."""
@@ -29,61 +29,18 @@ def _guarded(rule):
     return Guarded()
 
 
-_THREADS = 256
-_MIN_EXTENT = 4 * _THREADS
-
-
-def _row_reduction():
-    from tvm.s_tir.dlight.base import ScheduleRule
-    from tvm.s_tir.dlight.base.utils import get_extent
-
-    from .target_common import inlined_blocks
-
-    class RowReduction(ScheduleRule):
-        """One reduction block (after inlining its injective producers), spatial axes
-        before reduced ones, reducing at least 1024 elements (a vocabulary row): spatial
-        axes fused across thread blocks, reduced axes fused and split across 256 threads,
-        which TVM lowers to a cross-thread (warp shuffle) reduction with coalesced reads."""
-
-        def apply(self, func, target, _tunable):
-            found = inlined_blocks(func)
-            if found is None:
-                return None
-            sch, infos = found
-            if len(infos) != 1:
-                return None
-            kinds = infos[0].dom_kind()
-            n_s = len(kinds) - len(kinds.lstrip("S"))
-            if "R" not in kinds or set(kinds[n_s:]) != {"R"}:
-                return None
-            block = infos[0].block_rv
-            loops = sch.get_loops(block)
-            if len(loops) != len(kinds):
-                return None
-            extent = 1
-            for lp in loops[n_s:]:
-                e = get_extent(sch, lp)
-                extent = extent * e if isinstance(e, int) else 0
-            if extent < _MIN_EXTENT:  # short reductions (GQA's head groups, Mamba's chunk) stay
-                return None  # with Fallback: one thread per output beats 256 mostly idle ones
-            if n_s:
-                sch.bind(sch.fuse(*loops[:n_s]) if n_s > 1 else loops[0], "blockIdx.x")
-            red = sch.fuse(*loops[n_s:]) if len(loops) - n_s > 1 else loops[n_s]
-            _, tx = sch.split(red, factors=[None, _THREADS])
-            sch.bind(tx, "threadIdx.x")
-            return sch
-
-    return RowReduction()
-
-
-def legalize_passes(target) -> list:
+def legalize_passes(target, first_rules: tuple = ()) -> list:
+    """`first_rules`: a target's own schedule rules, tried before DLight's (gpu_schedule.py)."""
     from tvm import relax
     from tvm.s_tir import dlight as dl
 
+    from .gpu_schedule import RowReduction
+
     t = relax.transform
-    rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
+    rules = [*first_rules, dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+             RowReduction()]
     return [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
-            dl.ApplyDefaultSchedule(*[_guarded(r) for r in rules], _guarded(_row_reduction()), dl.gpu.Fallback())]
+            dl.ApplyDefaultSchedule(*[_guarded(r) for r in rules], dl.gpu.Fallback())]
 
 
 def relax_passes(target) -> list:

@@ -82,13 +82,16 @@ def prepare(mod):
 
 
 def relax_passes(target) -> list:
-    """The stock CUDA phases: legalize + fuse + DLight (Matmul/GEMV/Reduction/Fallback, a rule
+    """The stock CUDA phases: legalize + fuse + DLight (lorac's vectorized elementwise and
+    warp-per-row rules first (gpu_schedule.py), then Matmul/GEMV/Reduction/Fallback; a rule
     that raises falls through to the next: gpu_generic.py), lower."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
     from .gpu_generic import legalize_passes
+    from .gpu_schedule import VectorizedElementwise, WarpRowReduction
 
-    return (cuda.library_dispatch_passes(target) + legalize_passes(target)
+    first = (VectorizedElementwise(), WarpRowReduction())
+    return (cuda.library_dispatch_passes(target) + legalize_passes(target, first)
             + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
 
 

@@ -48,8 +48,10 @@ def ce_forward_backward(g, h, head, safe, weight, vocab: int):
     # recomputed from the logits in the one kernel that writes dlogits (on the H200 keeping
     # exp(logits - max) for this cost a write and a read of a [2048, 151936] fp32 block per
     # chunk: 11 ms of a Qwen3-0.6B step); then dh = dlogits E
-    vocab_ids = g.op("Range", g.const(np.int64(0)), g.const(np.int64(vocab)), g.const(np.int64(1)))
-    onehot = g.op("Cast", g.op("Equal", safe, vocab_ids), to=g.float)
+    # onehot(target) in float arithmetic, 1 - |target - id| clipped at 0 (ids are exact in
+    # fp32 up to 2^24): no boolean in the kernel, which a GPU build can then vectorize
+    ids = g.op("Range", g.f(0.0), g.f(float(vocab)), g.f(1.0))
+    onehot = g.op("Relu", g.op("Sub", g.f(1.0), g.op("Abs", g.op("Sub", g.op("Cast", safe, to=g.float), ids))))
     dlogits = g.op("Mul", g.op("Sub", g.op("Exp", g.op("Sub", logits, lse)), onehot), weight)
     return loss, g.matmul(dlogits, head)
 

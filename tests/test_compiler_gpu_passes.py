@@ -80,19 +80,33 @@ def test_bf16_keeps_recomputed_layers(make):
     assert _op_counts(frozen_weights_to_bf16(mod)) == before
 
 
-def test_row_max_gets_threads_short_sums_do_not():
+def test_reductions_get_threads_by_row_length():
     # DLight 0.27 declines `max`: the loss's row max over the vocabulary fell to Fallback (one
-    # thread per row, 79 ms of a Qwen3-0.6B step). RowReduction spreads a long row over 256
-    # threads; the norms' sums over 8 (q/k head_dim) or 32 (hidden) elements must not.
-    spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "vocab_size": 2048})
+    # thread per row, 79 ms of a Qwen3-0.6B step). RowReduction spreads a long row (> 4096)
+    # over 256 threads; the norms' sums over 8..4096 elements get one warp per row.
+    spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "vocab_size": 8192, "hidden_size": 64})
     model = build_training_graph(spec, TrainSpec(batch=2, seq=8, rank=4, lora_targets=tuple(ALL_TARGETS)))
     mod = _cuda_plan(model, "bfloat16")["_mod"]
     funcs = {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
     row_max = [n for n in funcs if re.fullmatch(r"(fused_cast\d*_)?max\d*", n)]  # the logits' widening fused in
     assert row_max and all('T.thread_binding(T.int64(256), thread="threadIdx.x")' in funcs[n] for n in row_max)
-    # the norms' sums of squares (and of gw * xhat), each with its product fused in
+    # the norms' sums of squares (and of gw * xhat), each with its product fused in: rows
+    # of 64 (hidden) get a warp per row, 8 rows a block; none gets 256 threads
     short = [n for n in funcs if re.fullmatch(r"fused_(cast\d*_)*(multiply\d*_)+sum\d*", n)]
-    assert len(short) >= 4 and not any('T.thread_binding(T.int64(256), thread="threadIdx.x")' in funcs[n] for n in short)
+    warp = [n for n in short if 'T.thread_binding(T.int64(32), thread="threadIdx.x")' in funcs[n]
+            and 'T.thread_binding(T.int64(8), thread="threadIdx.y")' in funcs[n]]
+    assert len(warp) >= 2
+    assert not any('T.thread_binding(T.int64(256), thread="threadIdx.x")' in funcs[n] for n in short)
+
+
+def test_elementwise_kernels_are_vectorized():
+    """Elementwise kernels over bf16 activations (SwiGLU, casts, residual adds) read and write
+    4 elements a thread as one vector; kernels with a comparison keep DLight's Fallback."""
+    mod = _cuda_plan(_decoder(False), "bfloat16")["_mod"]
+    funcs = {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    swiglu = [n for n in funcs if "sigmoid" in n]
+    assert len(swiglu) >= 3 and all("T.vectorized(T.int64(4))" in funcs[n] for n in swiglu)
+    assert not any("T.vectorized" in f and "bool" in f for f in funcs.values())
 
 
 def _calls(func) -> dict:
