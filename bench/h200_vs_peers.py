@@ -115,13 +115,13 @@ def case_engine(cache: str, case: str):
 
 
 def full_step(eng, optim, ids, t: int) -> float:
-    """What `lorac train` runs each step: the compiled step, the loss read back (a sync), the
-    LoRA+ AdamW update with clipping (its grad-norm read syncs again). -> the loss."""
+    """What `lorac train` runs each step: the compiled step, the LoRA+ AdamW update with
+    clipping (its grad-norm read waits for the device), then the loss read back. -> the loss."""
     from lorac.runtime.optim import group_lrs
-    out = eng.step({"input_ids": ids, "labels": ids}, eng.lora)
+    out = eng.step({"input_ids": ids, "labels": ids}, eng.lora, read_loss=False)
     loss = out.pop("loss")
     eng.update(out, *group_lrs(t, optim), t)
-    return loss
+    return float(loss.numpy())
 
 
 def lorac_case(cache: str, case: str, steps: int = 10) -> dict:

@@ -206,11 +206,14 @@ class Engine:
         return out
 
     # -- the compiled calls -------------------------------------------------------------
-    def step(self, batch: dict, lora: dict) -> dict:
-        """Loss and gradients (device tensors; `loss` as a float)."""
+    def step(self, batch: dict, lora: dict, read_loss: bool = True) -> dict:
+        """Loss and gradients (device tensors; `loss` as a float, or with read_loss=False the
+        device tensor: reading it waits for the step, so a caller that reads it after
+        enqueueing the update keeps the device busy meanwhile)."""
         step = self._artifact("train")
         out = step({**self._weights, **self._feed(step, lora), **batch}, as_numpy=False)
-        out["loss"] = float(out["loss"].numpy())
+        if read_loss:
+            out["loss"] = float(out["loss"].numpy())
         return out
 
     def eval_loss(self, batch: dict, lora: dict) -> float:
@@ -232,13 +235,13 @@ class Engine:
             feeds.update({f"{k}.param": self._p[k], f"{k}.grad": self._g[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
         feeds.update(lr_a=np.float32(lr_a), lr_b=np.float32(lr_b), step=np.float32(t))
         out = opt(feeds, as_numpy=False)
-        skipped = bool(float(out["skipped"].numpy()))
-        if not skipped:
-            self._p = {k: out[f"{k}.param.new"] for k in self._p}
-            self._m = {k: out[f"{k}.m.new"] for k in self._m}
-            self._v = {k: out[f"{k}.v.new"] for k in self._v}
-            self._views = self._make_views(self._p)
-        return float(out["grad_norm"].numpy()), skipped
+        # a skipped step's outputs are its inputs bit for bit (the graph's Where), so the new
+        # state is taken before the flag is read: the device runs on while the host works
+        self._p = {k: out[f"{k}.param.new"] for k in self._p}
+        self._m = {k: out[f"{k}.m.new"] for k in self._m}
+        self._v = {k: out[f"{k}.v.new"] for k in self._v}
+        self._views = self._make_views(self._p)
+        return float(out["grad_norm"].numpy()), bool(float(out["skipped"].numpy()))
 
     def logits(self, ids: np.ndarray, lora: dict) -> np.ndarray:
         """Logits [B', S', V] of a forward graph compiled for ids' shape (cached per shape)."""

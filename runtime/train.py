@@ -354,17 +354,18 @@ def _train(cfg: TrainConfig, log=None) -> dict:
         lr_a, lr_b = group_lrs(st["updates"] + 1, run.optim_cfg)
         # forward + backward over grad_accum micro-batches; gradients averaged
         loss, grads = 0.0, None
-        for _ in range(cfg.grad_accum):
+        if cfg.grad_accum == 1:  # gradients stay on the device; the loss is read after the
+            grads = eng.step(next(batches), eng.lora, read_loss=False)  # update is enqueued
+            loss = grads.pop("loss")
+        for _ in range(cfg.grad_accum if cfg.grad_accum > 1 else 0):
             res = eng.step(next(batches), eng.lora)
             loss += res.pop("loss") / cfg.grad_accum
-            if cfg.grad_accum == 1:
-                grads = res
-            else:  # summed on the host: the single-micro-batch path keeps gradients on the device
-                part = to_numpy(res)
-                grads = part if grads is None else {k: grads[k] + part[k] for k in grads}
+            part = to_numpy(res)  # summed on the host
+            grads = part if grads is None else {k: grads[k] + part[k] for k in grads}
         if cfg.grad_accum > 1:
             grads = {k: g / cfg.grad_accum for k, g in grads.items()}
         gnorm, skipped = eng.update(grads, lr_a, lr_b, st["updates"] + 1)
+        loss = loss if isinstance(loss, float) else float(loss.numpy())
         if skipped:  # a non-finite gradient (a NaN loss makes one too) is never applied
             st["skipped"] += 1
             log(f"step {st['step']}: non-finite loss/gradient (loss {loss}, grad norm {gnorm}); step skipped "
