@@ -40,7 +40,8 @@ class Step:
         self.device = device
         self._vm = vm
         self._dev = dev
-        self._names = {i["name"] for i in self.inputs}
+        self._specs = {i["name"]: i for i in self.inputs}
+        self._names = set(self._specs)
         # TVM's embedding gather reads out of bounds (and may segfault) on a bad id, so
         # ids and labels are range-checked here, where it is cheap
         self._vocab = next((i["shape"][0] for i in self.inputs if i["name"].endswith("embed_tokens.weight")), None)
@@ -62,6 +63,8 @@ class Step:
             raise LoracError(f"unknown input(s) for this artifact: {', '.join(unknown[:3])}")
 
     def _to_device(self, spec: dict, value):
+        if self.bound_inputs and self._buffers.get(spec["name"]) is value:
+            return value  # the step's own buffer (uploaded weights, pushed LoRA tensors): checked when filled
         t = self._checked(spec, value)
         if not self.bound_inputs:
             return self._new_tensor(t) if isinstance(t, np.ndarray) else t
@@ -110,6 +113,13 @@ class Step:
         if t.device.dlpack_device_type() != self._dev.dlpack_device_type():
             raise LoracError(f"input {spec['name']} is on {t.device}, the artifact runs on {self._dev}")
         return t
+
+    def input_spec(self, name: str) -> dict:
+        return self._specs[name]
+
+    def upload_target(self, name: str):
+        """The buffer a bound-input step reads input `name` from (after an upload)."""
+        return self._buffers[name]
 
     def upload(self, spec: dict, value):
         """A device tensor for input `spec` (a manifest entry), converted to its dtype; the

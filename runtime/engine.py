@@ -106,6 +106,7 @@ class Engine:
         self._weights = None
         self._arts: dict = {}
         self._owned: dict = {}  # plain artifacts' own copies of the LoRA views (_feed)
+        self._pushed: dict = {}  # id(bound-input step) -> the views last copied into its buffers
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
@@ -189,11 +190,17 @@ class Engine:
         checks (compiler/pipeline.py) and read from the buffer's base. GEMMs take the
         offset into account, but other kernels read LoRA tensors too (the bf16 casts, the
         concatenated A of q/k/v), so a plain artifact gets owned copies of the views (a
-        device-side copy of a few MB a step); an artifact with bound inputs copies every
-        input into its own buffers anyway."""
+        device-side copy of a few MB a step); an artifact with bound inputs reads its own
+        buffers, into which the engine copies its LoRA once per update (_push_lora)."""
         views = getattr(self, "_views", None)
-        if not views or step.bound_inputs:
+        if not views:
             return lora
+        if step.bound_inputs:  # the engine's LoRA: the step's own buffers, filled once per update
+            if not all(views.get(n) is t for n, t in lora.items()):
+                return lora
+            if self._pushed.get(id(step)) is not views:
+                self._push_lora(step)
+            return {n: step.upload_target(n) for n in lora}
         import tvm
         out = {}
         for n, t in lora.items():
@@ -204,6 +211,14 @@ class Engine:
                 t = self._owned[n]
             out[n] = t
         return out
+
+    def _push_lora(self, step) -> None:
+        """Copy the current LoRA values into a bound-input step's own buffers (device-side,
+        enqueued: update() does it for the train step before it waits, so the next step's
+        call passes the buffers themselves and copies nothing)."""
+        for n, t in self._views.items():
+            step.upload(step.input_spec(n), t)
+        self._pushed[id(step)] = self._views
 
     # -- the compiled calls -------------------------------------------------------------
     def step(self, batch: dict, lora: dict, read_loss: bool = True) -> dict:
@@ -241,6 +256,9 @@ class Engine:
         self._m = {k: out[f"{k}.m.new"] for k in self._m}
         self._v = {k: out[f"{k}.v.new"] for k in self._v}
         self._views = self._make_views(self._p)
+        train = self._arts.get("train")
+        if train is not None and train.bound_inputs:
+            self._push_lora(train)
         return float(out["grad_norm"].numpy()), bool(float(out["skipped"].numpy()))
 
     def logits(self, ids: np.ndarray, lora: dict) -> np.ndarray:
