@@ -5,9 +5,9 @@ LoRA tensor) to bfloat16 and widens it back to float32 where the graph reads it,
 non-GEMM ops (RMSNorm scales, the embedding gather) still compute in fp32. The GEMM pass
 then feeds bf16 operands to the library directly: a weight's widen-then-narrow pair
 cancels (gemm.py), activations are narrowed by a cast that fuses into their producer, and
-every GEMM accumulates and writes fp32. This halves weight memory and puts the GEMMs on
-bf16 tensor cores while keeping softmax, norms and the loss in fp32 (autocast-style);
-docs/COMPILER.md notes where this differs from all-bf16 activations.
+every GEMM accumulates in fp32 and writes activations in bf16 (gemm_output.py). This halves
+weight memory and puts the GEMMs on bf16 tensor cores while keeping softmax, norms and the
+loss in fp32 inside their kernels (autocast-style).
 """
 from __future__ import annotations
 
