@@ -116,7 +116,8 @@ class Graphs:
                         trained_layers=t.trained_layers, extra=t.extra)
         return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
 
-    def _missing_weights(self, wanted, have) -> None:
+    @staticmethod
+    def _missing_weights(wanted, have) -> None:
         """One error when the model's weights lack an input (other than ids, labels, LoRA) a graph takes."""
         missing = [n for n in wanted if n not in have and n not in ("input_ids", "labels") and ".lora_" not in n]
         if missing:

@@ -134,7 +134,7 @@ class OrtEngine(Graphs):
                  cache_dir=".lorac-cache", optim_cfg=None, log=None, providers=None, threads: int = 0):
         device = devices.for_target(target)
         memory = getattr(device, "ORT_MEMORY", None)
-        if memory is None:
+        if memory is None or target != device.NAME:
             raise LoracError(f"--backend ort keeps its buffers on cpu or cuda (--target), not {target}; other "
                              "devices are reached with --ort-providers (buffers on the host: --target cpu)")
         if dtype not in (None, "float32"):

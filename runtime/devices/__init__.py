@@ -25,16 +25,18 @@ Importing a device module imports neither TVM nor any device library.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
 from ..errors import LoracError
 
 
-def _modules() -> list:
+@functools.cache
+def _modules() -> tuple:
     found = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
              if not m.name.startswith("_")]
-    return sorted(found, key=lambda d: d.ORDER)
+    return tuple(sorted(found, key=lambda d: d.ORDER))
 
 
 def names() -> tuple[str, ...]:
@@ -72,5 +74,5 @@ def check_trainable(target: str) -> None:
     """One LoracError line when `lorac train --target <target>` cannot run here."""
     why = for_target(target).unavailable(target)
     if why:
-        raise LoracError(f"--target {target}: {why}; `--compile-only` builds the artifacts here for a machine that "
-                         "runs them, `--backend ort` trains through onnxruntime instead")
+        raise LoracError(f"--target {target}: {why}; `lorac train --compile-only` builds the artifacts here for a "
+                         "machine that runs them, `--backend ort` runs the graphs on onnxruntime instead")
