@@ -127,6 +127,20 @@ class Graphs:
         """Numpy copies of a step's outputs (gradients summed over micro-batches on the host)."""
         return {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in tensors.items()}
 
+    # a backend's set_state keeps the LoRA+ AdamW state as flat per-bucket device buffers
+    # (graphs/optimizer.Bucket): _buckets, _p, _m, _v (each {bucket key: tensor with .numpy()})
+    # and _views, the current LoRA tensors as zero-copy views of _p
+    @property
+    def lora(self) -> dict:
+        """The current LoRA tensors as device views (feed them to step / eval / logits)."""
+        return self._views
+
+    def state_numpy(self):
+        """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
+        from lorac.graphs.optimizer import unpack
+        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
+        return get(self._p), get(self._m), get(self._v)
+
 
 class Engine(Graphs):
     """The TVM backend: compiled artifacts (lorac.compiler), run by TVM's runtime on `target`'s device."""
@@ -187,17 +201,6 @@ class Engine(Graphs):
         """Zero-copy [r, in] / [out, r] views of the flat param buffers for the training step."""
         return {n: flats[b.key]._create_view(s, "float32", 4 * off)
                 for b in self._buckets for n, off, s in b.entries}
-
-    @property
-    def lora(self) -> dict:
-        """The current LoRA tensors as device views (feed them to step / eval / logits)."""
-        return self._views
-
-    def state_numpy(self):
-        """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
-        from lorac.graphs.optimizer import unpack
-        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
-        return get(self._p), get(self._m), get(self._v)
 
     def _feed(self, step, lora: dict) -> dict:
         """`lora` as `step` may read it. The flat-buffer views (self.lora) start at an offset

@@ -194,16 +194,6 @@ class OrtEngine(Graphs):
     def _windows(self, flats: dict) -> dict:
         return {n: Window(flats[b.key], off, s) for b in self._buckets for n, off, s in b.entries}
 
-    @property
-    def lora(self) -> dict:
-        """The current LoRA tensors as windows of the flat buffers (feed them to step / eval / logits)."""
-        return self._views
-
-    def state_numpy(self):
-        from lorac.graphs.optimizer import unpack
-        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
-        return get(self._p), get(self._m), get(self._v)
-
     def host(self, tensors: dict) -> dict:
         """Numpy copies of a step's outputs; each flat buffer is copied to the host once."""
         flats: dict = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny_model import make_corpus, make_model_dir
+from tiny_model import make_workdir
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("tvm")
@@ -21,10 +21,7 @@ from lorac.runtime.cli import main  # noqa: E402
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ort")
-    make_model_dir(d / "model")
-    make_corpus(d / "corpus.txt", 240)
-    return d
+    return make_workdir(tmp_path_factory.mktemp("ort"))
 
 
 def _args(d, out, steps, backend, *extra):

@@ -30,3 +30,13 @@ def open_device(kind: str, label: str, flag: str, wheels: str = "no apache-tvm w
     if not dev.exist:
         raise LoracError(f"device {kind} requested but no {label} device is visible")
     return dev
+
+
+def interface(kind: str, label: str, flag: str, wheels: str = "no apache-tvm wheel has one"):
+    """(unavailable, open) of such a device module (the interface in __init__.py)."""
+    def unavailable(target: str) -> str | None:
+        return needs(kind, label, flag, wheels)
+
+    def open_(art_dir, manifest):
+        return open_device(kind, label, flag, wheels)
+    return unavailable, open_

@@ -2,7 +2,7 @@
 a TVM built with USE_ROCM: no apache-tvm wheel has that runtime (_tvm_runtime.py)."""
 from __future__ import annotations
 
-from ._tvm_runtime import needs, open_device
+from ._tvm_runtime import interface
 
 NAME = "rocm"
 ORDER = 3
@@ -10,10 +10,4 @@ TARGETS = ("rocm",)
 DLPACK = 10  # kDLROCM
 DEFAULT_DTYPE = "float32"
 
-
-def unavailable(target: str) -> str | None:
-    return needs("rocm", "ROCm", "USE_ROCM")
-
-
-def open(art_dir, manifest):  # noqa: A001 - the device interface's name
-    return open_device("rocm", "ROCm", "USE_ROCM")
+unavailable, open = interface("rocm", "ROCm", "USE_ROCM")  # noqa: A001 - the interface's names

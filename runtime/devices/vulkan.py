@@ -3,7 +3,7 @@ Vulkan codegen (the apache-tvm 0.27 wheel has not). Runs only in a TVM built wit
 USE_VULKAN: no apache-tvm wheel has that runtime (_tvm_runtime.py)."""
 from __future__ import annotations
 
-from ._tvm_runtime import needs, open_device
+from ._tvm_runtime import interface
 
 NAME = "vulkan"
 ORDER = 4
@@ -11,10 +11,4 @@ TARGETS = ("vulkan",)
 DLPACK = 7  # kDLVulkan
 DEFAULT_DTYPE = "float32"
 
-
-def unavailable(target: str) -> str | None:
-    return needs("vulkan", "Vulkan", "USE_VULKAN")
-
-
-def open(art_dir, manifest):  # noqa: A001 - the device interface's name
-    return open_device("vulkan", "Vulkan", "USE_VULKAN")
+unavailable, open = interface("vulkan", "Vulkan", "USE_VULKAN")  # noqa: A001 - the interface's names
