@@ -9,13 +9,19 @@ from .pipeline import DTYPES, FAMILIES
 _EPILOG = """\
 targets:
   cpu      this host's CPU (LLVM); GEMMs on numpy's BLAS at run time
+  aarch64  64-bit Arm Linux CPUs (LLVM cross build; needs gcc-aarch64-linux-gnu)
   cuda     NVIDIA sm_90 (H100/H200); DLight kernels, cuBLAS GEMMs, device code
            compiled here with nvcc and shipped in the artifact
-  aarch64  64-bit Arm Linux CPUs (LLVM cross build; needs gcc-aarch64-linux-gnu)
   opencl   OpenCL GPUs, TVM's own kernels
-  webgpu   browsers / wgpu, TVM's own kernels, 32-bit ids and indices
   rocm     AMD GPUs (needs ROCm device libraries and ld.lld)
+  vulkan   Vulkan GPUs (needs a TVM with Vulkan codegen; the apache-tvm wheel has none)
   metal    Apple GPUs (TVM 0.27's Metal codegen crashes; reported as an error)
+  webgpu   browsers / wgpu, TVM's own kernels, 32-bit ids and indices
+
+cpu, aarch64 and cuda artifacts run with the apache-tvm wheel's runtime (lorac
+train); opencl, rocm and vulkan artifacts need a TVM runtime built with that
+backend (no wheel has one), metal the macOS arm64 wheel, webgpu TVM's web runtime
+(tvmjs). `lorac compile` says so in a note when it builds one (docs/TARGETS.md).
 
 The artifact directory holds the compiled library and manifest.json (with the
 sha256 of every file, checked before anything is loaded); rebuilding the same
@@ -70,6 +76,10 @@ def compile_command(argv: list[str]) -> int:
         print(f"lorac compile: error: {e}", file=sys.stderr)
         return 2
     if not args.quiet:
+        from lorac.runtime.devices import for_target
+        why = for_target(args.target).unavailable(args.target)
+        if why:  # it compiled, but this machine's runtime cannot run it
+            print(f"lorac compile: note: target {args.target}: {why}", file=sys.stderr)
         print(out)
     return 0
 

@@ -40,8 +40,19 @@ from lorac.graphs.builder import DOMAIN
 from . import manifest as mf
 from .units import frontend_with, split_units
 
-FAMILIES = ("cpu", "cuda", "rocm", "metal", "webgpu", "opencl", "aarch64")
-_KIND_FAMILY = {"cuda": "cuda", "rocm": "rocm", "metal": "metal", "webgpu": "webgpu", "opencl": "opencl"}
+
+
+def _families() -> tuple[str, ...]:
+    """The target families, one per target_<family>.py here (found by file name, so listing
+    them imports no target module and no TVM), in the runtime devices' listing order."""
+    from lorac.runtime.devices import targets
+    found = {p.stem[len("target_"):] for p in Path(__file__).parent.glob("target_*.py")} - {"common"}
+    order = targets()
+    return tuple(sorted(found, key=lambda f: (order.index(f) if f in order else len(order), f)))
+
+
+FAMILIES = _families()
+_LLVM_FAMILIES = ("cpu", "aarch64")  # TVM kind "llvm"; every other family is its own TVM kind
 DTYPES = ("float32", "bfloat16")
 _ISOLATED = "LORAC_ISOLATED_BUILD"  # set in the child process of an isolated build
 
@@ -54,8 +65,8 @@ def resolve_target(target) -> tuple[str, dict]:
         return target, {"kind": target}
     if isinstance(target, dict) and "kind" in target:
         kind = target["kind"]
-        if kind in _KIND_FAMILY:
-            return _KIND_FAMILY[kind], dict(target)
+        if kind in FAMILIES and kind not in _LLVM_FAMILIES:
+            return kind, dict(target)
         if kind == "llvm":
             triple = str(target.get("mtriple", ""))
             return ("aarch64" if triple.startswith("aarch64") else "cpu"), dict(target)

@@ -1,12 +1,13 @@
 """load_artifact: run a compiled lorac artifact with TVM's runtime alone.
 
-    step = load_artifact("art/", device="cpu")     # or "cuda"
+    step = load_artifact("art/", device="cpu")     # or "cuda" (runtime/devices/)
     out = step({"input_ids": ids, "labels": labels, "model.embed_tokens.weight": w, ...})
     out["loss"], out["base_model.model....lora_A.weight.grad"]
 
 Needs only `tvm` importable in runtime-only mode (no libtvm_compiler, no torch): the
 library is loaded with tvm.runtime.load_module and driven by the Relax VM. The GEMMs the
-compiler left as calls are registered here (runtime/gemm.py). Inputs and outputs use
+compiler left as calls are registered here (runtime/gemm.py); the device's module
+(runtime/devices/) readies the TVM runtime for the artifact. Inputs and outputs use
 the ONNX graph's names (the frontend renamed dotted names; the manifest maps them back).
 Every mismatch between the artifact and the call raises one LoracError naming it, and an
 artifact whose files do not match its sealed manifest is never loaded (artifact_cache.py).
@@ -17,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import devices
 from .artifact_cache import load_library_bytes, read_manifest, verify
 from .errors import LoracError
-
-DEVICES = ("cpu", "cuda")
 
 
 def _np_dtype(name: str):
@@ -152,9 +152,8 @@ def _same_memory(a, b) -> bool:
 
 
 def load_artifact(art_dir, device: str = "cpu") -> Step:
-    """Load a compiled artifact for `device` ("cpu" or "cuda"); see the module doc."""
-    if device not in DEVICES:
-        raise LoracError(f"unknown device {device!r}: lorac artifacts run on {', '.join(DEVICES)}")
+    """Load a compiled artifact for `device` (a runtime device: devices.names()); see the module doc."""
+    dev_module = devices.get(device)
     art_dir = Path(art_dir)
     m = read_manifest(art_dir)
     # an artifact is code: every file is checked against the sealed manifest before any of it
@@ -171,17 +170,7 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
     from . import gemm
     gemm.register()
     gemm.register_accumulating(m.get("gemm", {}).get("accumulating", []))
-    if device == "cuda":
-        from . import cuda_loader
-        cuda_loader.prepare(art_dir, m)
-        dev = tvm.cuda(0)
-        if not dev.exist:
-            raise LoracError("device cuda requested but no CUDA GPU is visible")
-    else:
-        dev = tvm.cpu(0)
-    if m.get("unit_calls") and device == "cuda":  # fused attention on cuDNN: plans built now
-        from . import attention_cuda
-        attention_cuda.prepare(m, dev)
+    dev = dev_module.open(art_dir, m)
     lib = load_library_bytes(lib_bytes, tvm.runtime.load_module)
     vm = tvm_vm.VirtualMachine(lib, dev)
     return Step(vm, m, dev, device)

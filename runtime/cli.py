@@ -13,6 +13,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from . import devices
 from .errors import LoracError
 from .export_onnx import GRAPHS
 from .files import respect_umask
@@ -34,7 +35,12 @@ TRAIN_HELP = {
     "lr": "learning rate of the LoRA A matrices", "loraplus_ratio": "LoRA+ ratio: lr(B) = ratio * lr(A)",
     "warmup": "linear warmup steps (then cosine decay to lr/10)", "weight_decay": "AdamW decoupled weight decay",
     "max_grad_norm": "global gradient-norm clip (<= 0: off)", "grad_accum": "micro-batches per optimizer step",
-    "target": "where to train: cpu or cuda", "dtype": "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)",
+    "target": f"where to train: {', '.join(devices.targets())} (runtime/devices/; docs/TARGETS.md: a target whose "
+              "runtime this machine lacks is refused at once, and --compile-only builds for any)",
+    "dtype": "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend ort: float32)",
+    "backend": "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install 'lorac[ort]')",
+    "ort_providers": "--backend ort: comma-separated onnxruntime execution providers, e.g. "
+                     "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)",
     "checkpointing": "recompute each layer's forward in the backward (less memory)",
     "loss_chunk": "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 logits fit 1.5 GiB)",
     "scan_chunk": "Mamba scan chunk length (0: the device's default, 2 on cpu and 4 on cuda)", "eval_every": "steps between evals",
@@ -151,8 +157,9 @@ def _engine_from_checkpoint(args):
     from lorac.graphs import ModelSpec, TrainSpec
 
     from .checkpoint import load_checkpoint
-    from .engine import Engine
+    from .engine import make_engine
     from .model_source import resolve_model
+    TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers).check_backend()
     lora, tcfg = None, {}
     if args.checkpoint:
         ck = load_checkpoint(args.checkpoint)
@@ -169,7 +176,8 @@ def _engine_from_checkpoint(args):
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
                       lora_targets=tuple(tcfg.get("targets") or spec.targets), rank=tcfg.get("rank", 1),
                       alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
-    eng = Engine(spec, train, weights, args.target, None, args.cache_dir, log=lambda m: print(m, file=sys.stderr))
+    eng = make_engine(args.backend, spec, train, weights, args.target, None, args.cache_dir,
+                      log=lambda m: print(m, file=sys.stderr), providers=args.ort_providers)
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
         import numpy as np
         lora = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
@@ -281,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
         q = sub.add_parser(name, help=helptext, description=helptext)
         q.add_argument("--checkpoint", help="checkpoint directory (or OUT/checkpoints); omit for the base model")
         q.add_argument("--model", help="model (default: the one the checkpoint was trained on)")
-        q.add_argument("--target", default="cpu", help="cpu or cuda (default: cpu)")
+        q.add_argument("--target", default="cpu", help=f"{', '.join(devices.targets())} (default: cpu)")
+        q.add_argument("--backend", default="tvm", choices=("tvm", "ort"), help=TRAIN_HELP["backend"])
+        q.add_argument("--ort-providers", help=TRAIN_HELP["ort_providers"])
         q.add_argument("--cache-dir", default=".lorac-cache", help="compiled-artifact cache")
         q.add_argument("--batch", type=int, default=None, help="batch (default: the checkpoint's)")
         q.add_argument("--seq", type=int, default=None, help="sequence length (default: the checkpoint's)")

@@ -1,6 +1,7 @@
 """The compiled pieces of one training setup, with the frozen weights resident on the device.
 
-    eng = Engine(spec, train, weights, target="cpu", cache_dir=".lorac-cache")
+    eng = Engine(spec, train, weights, target="cpu", cache_dir=".lorac-cache")   # TVM artifacts
+    eng = make_engine("ort", spec, train, weights, providers="CPUExecutionProvider")  # onnxruntime
     out = eng.step(batch, lora)           # loss + LoRA grads (device tensors)
     new = eng.update(lora, grads, m, v, lr_a, lr_b, t)
     eng.eval_loss(batch, lora); eng.logits(ids, lora)
@@ -8,7 +9,8 @@
 Each graph (training step, eval loss, optimizer, forward) is emitted by lorac.graphs and
 compiled once per (graph hash, target, dtype): a second run, or a resumed one, reuses the
 artifact from the cache folder without importing the compiler. Frozen weights are uploaded
-once and passed to every call as device tensors.
+once and passed to every call as device tensors. The onnxruntime backend (engine_ort.py)
+runs the same graphs behind the same methods (Graphs holds what both share).
 """
 from __future__ import annotations
 
@@ -20,11 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import artifact_cache
+from . import artifact_cache, devices
 from .artifact import load_artifact
 from .errors import LoracError
-
-DEVICE_OF = {"cpu": "cpu", "cuda": "cuda"}
 
 
 def _graphs_digest() -> bytes:
@@ -82,31 +82,21 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
     return art
 
 
-class Engine:
-    def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
-                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True):
+class Graphs:
+    """What the engines of every backend share: the specs, the LoRA tensors' names and shapes,
+    the training graph's identity (what a checkpoint must match) and how each graph is emitted."""
+
+    def __init__(self, spec, train, target: str, dtype: str, cache_dir, optim_cfg, log):
         from lorac.graphs import lora_tensor_names
-        if target not in DEVICE_OF:
-            raise LoracError(f"lorac runs on cpu or cuda; compile other targets with `lorac compile` (got {target!r})")
-        self.spec, self.train, self.target = spec, train, target
-        self.device = DEVICE_OF[target]
-        self.dtype = dtype or ("bfloat16" if target == "cuda" else "float32")
+        self.spec, self.train, self.target, self.dtype = spec, train, target, dtype
         self.cache_dir, self.log = Path(cache_dir), log or (lambda msg: print(msg, file=sys.stderr))
         self.names = lora_tensor_names(spec, train)
         self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
         self.optim_cfg = optim_cfg
-        # on CUDA the training step runs as a few CUDA graphs (the host issued ~15,000 calls a
-        # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
-        self.cuda_graph = cuda_graph and target == "cuda"
         # what a checkpoint must match: the scan chunk length changes how the Mamba scan is
         # computed, not what, so a run may resume on a device whose default length differs
         same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"})
         self.graph_hash = graph_key("train", spec, same_math)
-        self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
-        self._weights = None
-        self._arts: dict = {}
-        self._owned: dict = {}  # plain artifacts' own copies of the LoRA views (_feed)
-        self._pushed: dict = {}  # id(bound-input step) -> the views last copied into its buffers
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
@@ -125,6 +115,49 @@ class Engine:
         fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
                         trained_layers=t.trained_layers, extra=t.extra)
         return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
+
+    @staticmethod
+    def _missing_weights(wanted, have) -> None:
+        """One error when the model's weights lack an input (other than ids, labels, LoRA) a graph takes."""
+        missing = [n for n in wanted if n not in have and n not in ("input_ids", "labels") and ".lora_" not in n]
+        if missing:
+            raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
+
+    def host(self, tensors: dict) -> dict:
+        """Numpy copies of a step's outputs (gradients summed over micro-batches on the host)."""
+        return {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in tensors.items()}
+
+    # a backend's set_state keeps the LoRA+ AdamW state as flat per-bucket device buffers
+    # (graphs/optimizer.Bucket): _buckets, _p, _m, _v (each {bucket key: tensor with .numpy()})
+    # and _views, the current LoRA tensors as zero-copy views of _p
+    @property
+    def lora(self) -> dict:
+        """The current LoRA tensors as device views (feed them to step / eval / logits)."""
+        return self._views
+
+    def state_numpy(self):
+        """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
+        from lorac.graphs.optimizer import unpack
+        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
+        return get(self._p), get(self._m), get(self._v)
+
+
+class Engine(Graphs):
+    """The TVM backend: compiled artifacts (lorac.compiler), run by TVM's runtime on `target`'s device."""
+
+    def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
+                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True):
+        device = devices.for_target(target)
+        super().__init__(spec, train, target, dtype or device.DEFAULT_DTYPE, cache_dir, optim_cfg, log)
+        self.device = device.NAME
+        # on CUDA the training step runs as a few CUDA graphs (the host issued ~15,000 calls a
+        # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
+        self.cuda_graph = cuda_graph and getattr(device, "CAPTURES_GRAPHS", False)
+        self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
+        self._weights = None
+        self._arts: dict = {}
+        self._owned: dict = {}  # plain artifacts' own copies of the LoRA views (_feed)
+        self._pushed: dict = {}  # id(bound-input step) -> the views last copied into its buffers
 
     def compile(self, kind: str) -> Path:
         """The artifact directory of graph `kind`, compiled into the cache if missing (no device needed)."""
@@ -150,10 +183,7 @@ class Engine:
     def _upload(self, step, tensors: dict) -> dict:
         """Device copies of the tensors `step` takes (dtype converted per its manifest)."""
         specs = {i["name"]: i for i in step.inputs}
-        missing = [n for n in specs if n not in tensors and n not in ("input_ids", "labels")
-                   and ".lora_" not in n]
-        if missing:
-            raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
+        self._missing_weights(specs, tensors)
         return {n: step.upload(specs[n], a) for n, a in tensors.items() if n in specs}
 
     # -- LoRA + optimizer state: flat per-bucket device buffers (see graphs/optimizer.Bucket) --
@@ -172,17 +202,6 @@ class Engine:
         """Zero-copy [r, in] / [out, r] views of the flat param buffers for the training step."""
         return {n: flats[b.key]._create_view(s, "float32", 4 * off)
                 for b in self._buckets for n, off, s in b.entries}
-
-    @property
-    def lora(self) -> dict:
-        """The current LoRA tensors as device views (feed them to step / eval / logits)."""
-        return self._views
-
-    def state_numpy(self):
-        """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
-        from lorac.graphs.optimizer import unpack
-        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
-        return get(self._p), get(self._m), get(self._v)
 
     def _feed(self, step, lora: dict) -> dict:
         """`lora` as `step` may read it. The flat-buffer views (self.lora) start at an offset
@@ -274,5 +293,12 @@ def _lora_shape(spec, train, name: str) -> tuple[int, int]:
     return (train.rank, inp) if ".lora_A." in name else (out, train.rank)
 
 
-def to_numpy(tensors: dict) -> dict:
-    return {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in tensors.items()}
+def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
+                cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, providers=None):
+    """The engine of `backend`: "tvm" (compiled artifacts) or "ort" (onnxruntime, `providers`)."""
+    if backend == "ort":
+        from .engine_ort import OrtEngine
+        return OrtEngine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, providers=providers)
+    if providers:
+        raise LoracError("--ort-providers is for --backend ort")
+    return Engine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, cuda_graph=cuda_graph)

@@ -6,166 +6,45 @@ means "read this operand with its last two axes swapped":
 
     out[..., M, N] = op_a(a)[..., M, K] @ op_b(b)[..., K, N]
 
-One registered function per layout dispatches on the output's device:
-- CPU: numpy's BLAS on zero-copy DLPack views. A swapped view is only other strides,
-  which numpy passes to BLAS as a transpose flag; `out=` writes into TVM's buffer.
-  Threads: OpenBLAS's own pool spins while it waits, and next to TVM's pool (or any
-  other busy process) on a small machine that collapsed a 40M-model step from 2.2 s to
-  13 s here. So BLAS runs single-threaded per calling thread and lorac splits each large
-  GEMM into row (or batch) blocks over its own small thread pool, whose idle threads
-  block instead of spinning (numpy releases the GIL inside matmul).
-- CUDA: cuBLAS through ctypes (gemm_cuda.py), bf16 or fp32 in, fp32 accumulate.
+and every sum of GEMMs the compiler fused (compiler/gemm_sum.py) into a call of
+`lorac.gemm_acc_<layouts>(a1, b1, a2, b2, ..., out)`: the first GEMM writes `out`, the
+others add into it. One registered function per layout dispatches on the output's
+device to that runtime device's GEMM library (runtime/devices/: numpy's BLAS on the
+CPU, gemm_cpu.py; cuBLAS on CUDA, gemm_cuda.py).
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from . import devices
+from .errors import LoracError
 
-import numpy as np
-
-_CPU, _CUDA = 1, 2  # DLPack device types
-_SPLIT_FLOPS = 8e6  # below this a GEMM runs whole: a thread hand-off costs ~20 us
 _registered = False
-_pool: ThreadPoolExecutor | None = None
-_threads = 1
-_blas_local = None  # openblas_set_num_threads_local, when numpy's BLAS is OpenBLAS >= 0.3.27
-_tls = threading.local()
+_by_dlpack: dict = {}  # DLPack device type -> that device's gemm function
 
 
-def _openblas_libs():
-    """The OpenBLAS libraries this process has loaded (numpy's), as ctypes handles."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and ".so" in ln.split()[-1]}
-    except OSError:
-        return []
-    libs = []
-    for path in sorted(paths):
-        try:
-            libs.append(ctypes.CDLL(path))
-        except OSError:
-            continue
-    return libs
-
-
-def _find_openblas_local():
-    """OpenBLAS's per-thread thread-count setter from the library numpy already loaded."""
-    for lib in _openblas_libs():
-        fn = getattr(lib, "openblas_set_num_threads_local", None)
-        if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            return fn
-    return None
-
-
-def blas_info() -> str:
-    """Which BLAS the CPU GEMMs run on, e.g. "OpenBLAS 0.3.31 ... SkylakeX". OpenBLAS picks
-    its kernel family at load time from the CPU, unless OPENBLAS_CORETYPE names one: an
-    older family set there (Haswell on an AVX-512 CPU, say) halves GEMM speed."""
-    for lib in _openblas_libs():
-        # plain OpenBLAS names, then numpy's bundled scipy-openblas (prefixed, 64-bit ints)
-        for pre, post in (("", ""), ("scipy_", "64_"), ("scipy_", "")):
-            config = getattr(lib, f"{pre}openblas_get_config{post}", None)
-            core = getattr(lib, f"{pre}openblas_get_corename{post}", None)
-            if config is not None and core is not None:
-                break
-        else:
-            continue
-        config.restype = core.restype = ctypes.c_char_p
-        text = f"{config().decode(errors='replace').strip()} core={core().decode(errors='replace')}"
-        forced = os.environ.get("OPENBLAS_CORETYPE")
-        return text + (f" (OPENBLAS_CORETYPE={forced})" if forced else "")
-    return "not OpenBLAS (numpy's own BLAS build)"
-
-
-def _single_threaded_blas() -> None:
-    if _blas_local is not None and not getattr(_tls, "single", False):
-        _blas_local(1)
-        _tls.single = True
-
-
-def _blocks(x, y, out, n: int):
-    """Split a GEMM into n independent (x, y, out) blocks: by batch, else by output rows."""
-    if out.ndim > 2 and out.shape[0] >= n:
-        cuts = np.linspace(0, out.shape[0], n + 1).astype(int)
-        ys = [y] * n if y.ndim == 2 else [y[c0:c1] for c0, c1 in zip(cuts, cuts[1:])]
-        return [(x[c0:c1], yb, out[c0:c1]) for (c0, c1), yb in zip(zip(cuts, cuts[1:]), ys)]
-    rows = out.shape[-2]
-    cuts = np.linspace(0, rows, n + 1).astype(int)
-    return [(x[..., c0:c1, :], y, out[..., c0:c1, :]) for c0, c1 in zip(cuts, cuts[1:])]
-
-
-def _cpu_gemm(ta: bool, tb: bool, a, b, out) -> None:
-    x = np.from_dlpack(a)
-    y = np.from_dlpack(b)
-    o = np.from_dlpack(out)
-    if ta:
-        x = np.swapaxes(x, -1, -2)
-    if tb:
-        y = np.swapaxes(y, -1, -2)
-    _single_threaded_blas()
-    if _pool is None or 2.0 * o.size * x.shape[-1] < _SPLIT_FLOPS or o.shape[-2] < 2 * _threads:
-        np.matmul(x, y, out=o)
-        return
-    blocks = _blocks(x, y, o, _threads)
-    futures = [_pool.submit(_matmul_block, *blk) for blk in blocks[1:]]
-    np.matmul(*blocks[0][:2], out=blocks[0][2])
-    for f in futures:
-        f.result()
-
-
-def _matmul_block(x, y, out) -> None:
-    _single_threaded_blas()
-    np.matmul(x, y, out=out)
-
-
-def _setup_cpu_threads() -> None:
-    """One GEMM thread per core lorac may use (TVM_NUM_THREADS, else the CPU affinity)."""
-    global _pool, _threads, _blas_local
-    _blas_local = _find_openblas_local()
-    if _blas_local is None:
-        return  # another BLAS (MKL, Accelerate): leave its own threading alone
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    _threads = max(1, int(os.environ.get("TVM_NUM_THREADS", cores)))
-    if _threads > 1:
-        _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="lorac-gemm")
+def _gemm_of(tensor):
+    kind = tensor.device.dlpack_device_type()
+    fn = _by_dlpack.get(kind)
+    if fn is None:
+        dev = devices.of_dlpack(int(kind))
+        fn = getattr(dev, "gemm", None) if dev is not None else None
+        if fn is None:
+            raise LoracError(f"no GEMM library for tensors on {tensor.device}")
+        _by_dlpack[kind] = fn
+    return fn
 
 
 def _layout(ta: bool, tb: bool):
     def call(a, b, out):
-        if out.device.dlpack_device_type() == _CPU:
-            _cpu_gemm(ta, tb, a, b, out)
-        else:
-            from . import gemm_cuda
-            gemm_cuda.gemm(ta, tb, a, b, out)
+        _gemm_of(out)(ta, tb, a, b, out)
     return call
 
 
-def _cpu_gemm_add(ta: bool, tb: bool, a, b, out) -> None:
-    x, y, o = np.from_dlpack(a), np.from_dlpack(b), np.from_dlpack(out)
-    _single_threaded_blas()
-    o += np.matmul(np.swapaxes(x, -1, -2) if ta else x, np.swapaxes(y, -1, -2) if tb else y)
-
-
 def _accumulating(layouts: list[tuple[bool, bool]]):
-    """out = sum_i op(a_i) op(b_i) for `lorac.gemm_acc_<layouts>(a1, b1, a2, b2, ..., out)`
-    (compiler/gemm_sum.py): the first GEMM writes out, the others add into it."""
     def call(*args):
         out = args[-1]
-        cpu = out.device.dlpack_device_type() == _CPU
-        if not cpu:
-            from . import gemm_cuda
+        gemm = _gemm_of(out)
         for i, (ta, tb) in enumerate(layouts):
-            a, b = args[2 * i], args[2 * i + 1]
-            if cpu:
-                (_cpu_gemm if i == 0 else _cpu_gemm_add)(ta, tb, a, b, out)
-            else:
-                gemm_cuda.gemm(ta, tb, a, b, out, accumulate=i > 0)
+            gemm(ta, tb, args[2 * i], args[2 * i + 1], out, accumulate=i > 0)
     return call
 
 
@@ -176,7 +55,6 @@ def register_accumulating(names) -> None:
     for name in names:
         letters = name.rsplit("_", 1)[1]
         if not name.startswith("lorac.gemm_acc_") or len(letters) % 2 or set(letters) - {"n", "t"}:
-            from .errors import LoracError
             raise LoracError(f"artifact calls an unknown GEMM function {name!r}")
         layouts = [(letters[i] == "t", letters[i + 1] == "t") for i in range(0, len(letters), 2)]
         tvm_ffi.register_global_func(name, _accumulating(layouts), override=True)
@@ -190,8 +68,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    if _pool is None:
-        _setup_cpu_threads()
     for ta in (False, True):
         for tb in (False, True):
             name = "lorac.gemm_" + ("t" if ta else "n") + ("t" if tb else "n")

@@ -81,7 +81,8 @@ def gpu_memory_free() -> int | None:
 def check_memory(spec, train, n_weights: int, target: str) -> None:
     """Refuse a step whose lower-bound memory exceeds what the machine (cpu) or the GPU
     (cuda, when one is visible) has available."""
-    have = {"cpu": available_memory, "cuda": gpu_memory_free}.get(target, lambda: None)()
+    from . import devices
+    have = getattr(devices.for_target(target), "memory_free", lambda: None)()
     need = step_bytes_lower_bound(spec, train, n_weights, target=target)
     if have is not None and need > have:
         raise LoracError(f"a training step of batch {train.batch} x seq {train.seq} at rank {train.rank} needs at least "

@@ -45,6 +45,8 @@ class TrainConfig:
     grad_accum: int = 1
     target: str = "cpu"
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    backend: str = "tvm"  # "ort": the same graphs on onnxruntime (engine_ort.py)
+    ort_providers: str | None = None  # --backend ort: None: the device's default providers
     checkpointing: bool = False
     loss_chunk: int = 0
     scan_chunk: int = 0  # Mamba only; 0: the device's default (graphs/mamba.py DEVICE_CHUNK)
@@ -82,6 +84,22 @@ class TrainConfig:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
         from .report import check_report_settings
         check_report_settings(self.progress, self.report_to)
+        self.check_backend()
+
+    def check_backend(self):
+        """--target, --backend and --ort-providers, before anything loads: a target this machine
+        cannot train on is one line here (runtime/devices/), not an error deep inside TVM."""
+        from . import devices
+        if self.backend not in ("tvm", "ort"):
+            raise LoracError(f"--backend must be tvm or ort, got {self.backend!r}")
+        devices.for_target(self.target)  # an unknown target: one line naming the known ones
+        if self.backend == "ort":
+            if self.compile_only:
+                raise LoracError("--compile-only fills the TVM artifact cache; --backend ort compiles nothing ahead")
+        elif self.ort_providers:
+            raise LoracError("--ort-providers is for --backend ort")
+        elif not self.compile_only:
+            devices.check_trainable(self.target)
 
     def layer_range(self, n_layers: int):
         if not self.trained_layers:
@@ -156,12 +174,13 @@ class Run:
         self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
         self.optim_cfg = LoraPlusConfig(lr=cfg.lr, loraplus_ratio=cfg.loraplus_ratio, weight_decay=cfg.weight_decay,
                                         max_grad_norm=cfg.max_grad_norm, warmup_steps=cfg.warmup, total_steps=cfg.steps)
-        from .engine import Engine
-        if cfg.target == "cpu" and not cfg.compile_only:
-            from .gemm import blas_info
+        from .engine import make_engine
+        if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
+            from .gemm_cpu import blas_info
             self.log(f"cpu GEMMs: {blas_info()}")
-        self.engine = Engine(self.spec, self.train_spec, weights, cfg.target, cfg.dtype, cfg.cache_dir,
-                             self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph)
+        self.engine = make_engine(cfg.backend, self.spec, self.train_spec, weights, cfg.target, cfg.dtype,
+                                  cfg.cache_dir, self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph,
+                                  providers=cfg.ort_providers)
         del weights  # the device holds them now
         if self.adapter:
             self.adapter.check_shapes(self.engine.shapes)
@@ -319,7 +338,6 @@ def _claim(out: Path):
 
 def _train(cfg: TrainConfig, log=None) -> dict:
     from . import resume
-    from .engine import to_numpy
     from .optim import group_lrs
 
     run = Run(cfg, log)
@@ -360,7 +378,7 @@ def _train(cfg: TrainConfig, log=None) -> dict:
         for _ in range(cfg.grad_accum if cfg.grad_accum > 1 else 0):
             res = eng.step(next(batches), eng.lora)
             loss += res.pop("loss") / cfg.grad_accum
-            part = to_numpy(res)  # summed on the host
+            part = eng.host(res)  # summed on the host
             grads = part if grads is None else {k: grads[k] + part[k] for k in grads}
         if cfg.grad_accum > 1:
             grads = {k: g / cfg.grad_accum for k, g in grads.items()}

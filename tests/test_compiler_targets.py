@@ -92,6 +92,16 @@ def test_aarch64(graph, tmp_path):
     assert _manifest(d)["target"]["device"] == "cpu"
 
 
+def test_vulkan_compiles_where_tvm_has_its_codegen(graph, tmp_path):
+    """The apache-tvm wheel has no Vulkan code generator: one error naming it, at once."""
+    import tvm_ffi
+    if tvm_ffi.get_global_func("target.build.vulkan", allow_missing=True) is not None:
+        assert (compile_graph(graph, target="vulkan", out_dir=tmp_path / "vk") / "lib.so").is_file()
+        return
+    with pytest.raises(LoracError, match=r"target vulkan: this TVM .* has no Vulkan code generator"):
+        compile_graph(graph, target="vulkan", out_dir=tmp_path / "vk")
+
+
 def test_webgpu_is_32_bit(graph, tmp_path):
     d = compile_graph(graph, target="webgpu", out_dir=tmp_path / "web")
     m = _manifest(d)

@@ -20,7 +20,7 @@ import pytest
 
 from test_artifact_trust import evil_library
 from test_train_e2e import LORAC, _records, _run, _train_args
-from tiny_model import make_corpus, make_model_dir
+from tiny_model import make_corpus, make_model_dir, make_workdir
 
 pytest.importorskip("tvm")
 STEPS = 12
@@ -28,9 +28,7 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("reliability")
-    make_model_dir(d / "model")
-    make_corpus(d / "corpus.txt", 240)
+    d = make_workdir(tmp_path_factory.mktemp("reliability"))
     r = _run(_train_args(d, d / "ref", STEPS, "--save-every", "4"))
     assert r.returncode == 0, r.stderr[-2000:]
     return d

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny_model import compiled_logits, make_corpus, make_model_dir
+from tiny_model import compiled_logits, make_model_dir, make_workdir
 
 pytest.importorskip("tvm")
 LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
@@ -18,10 +18,7 @@ LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("e2e")
-    make_model_dir(d / "model")
-    make_corpus(d / "corpus.txt", 240)
-    return d
+    return make_workdir(tmp_path_factory.mktemp("e2e"))
 
 
 def _train_args(d, out, steps, *extra):

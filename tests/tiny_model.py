@@ -82,6 +82,14 @@ def make_corpus(path: Path, n: int = 200) -> Path:
     return Path(path)
 
 
+def make_workdir(root: Path) -> Path:
+    """root/model (make_model_dir) and root/corpus.txt (make_corpus, 240 documents): what the
+    end-to-end tests train on."""
+    make_model_dir(Path(root) / "model")
+    make_corpus(Path(root) / "corpus.txt", 240)
+    return Path(root)
+
+
 def compiled_logits(model_dir: Path, cache: Path, lora: dict, ids):
     """Logits of lorac's compiled CPU forward graph (every target of the family, rank 16,
     alpha 32) with the given LoRA tensors; tensors missing from `lora` are zero."""
