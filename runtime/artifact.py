@@ -13,6 +13,7 @@ artifact whose files do not match its sealed manifest is never loaded (artifact_
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -164,7 +165,7 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
     if device == "cuda":
         from . import cuda_loader
         cuda_loader.prepare(art_dir, m)
-        dev = tvm.cuda(0)
+        dev = tvm.cuda(int(os.environ.get("LORAC_CUDA_DEVICE", "0")))  # a data-parallel worker's GPU
         if not dev.exist:
             raise LoracError("device cuda requested but no CUDA GPU is visible")
     else:

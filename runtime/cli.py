@@ -26,7 +26,7 @@ TRAIN_HELP = {
             "Jargon File Q&A corpus)",
     "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
     "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
-    "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
+    "steps": "optimizer steps", "batch": "sequences per micro-batch (with --gpus: over all workers)", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
                "in_proj,x_proj,dt_proj,out_proj for Mamba)",
@@ -50,6 +50,10 @@ TRAIN_HELP = {
                      "(graphs cut the host's work per step from ~15,000 calls to a few hundred)",
     "progress": "auto (a bar on a terminal, a line per step elsewhere), bar or lines",
     "report_to": "none, or tensorboard (scalars to OUT/runs; pip install 'lorac[tensorboard]')",
+    "gpus": "data-parallel workers on this host: N processes through mpiexec, one per GPU with --target cuda "
+            "(CPU processes with --target cpu); --batch is the global batch, split over them; several hosts: "
+            "docs/DISTRIBUTED.md (pip install 'lorac[distributed]')",
+    "dist_timeout": "seconds a worker waits for the others in a collective before the run stops with an error",
     "compile_only": "compile every graph of the run for --target into --cache-dir and stop; copy the "
                     "cache to the machine that trains (it needs no compiler then)",
 }
@@ -138,9 +142,15 @@ def _check_types(values: dict, where: str) -> None:
 def cmd_train(args) -> int:
     import signal
 
+    from . import distributed
     from .train import train
-    summary = train(train_config(args))
-    print(json.dumps(summary, indent=1))
+    cfg = train_config(args)
+    if cfg.gpus > 1 and not distributed.under_mpi() and not cfg.compile_only:
+        from .launch import launch  # --gpus N: start N workers through mpiexec, each runs this command
+        return launch(cfg, args.argv)
+    summary = train(cfg)
+    if distributed.current().main:  # data parallel: rank 0 speaks for the run
+        print(json.dumps(summary, indent=1))
     if summary.get("interrupted"):  # a checkpoint was saved; the exit status says the run is not done
         return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
     return 0
@@ -340,6 +350,7 @@ def main(argv=None) -> int:
         return _guard(lambda: cmd_compile(argv[1:]))
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.argv = argv
     if not getattr(args, "func", None):
         if not argv:  # `lorac` alone: the demo is `lorac train`
             ap.print_help()
@@ -405,7 +416,8 @@ def console() -> None:
     eagerly whenever it is installed (~2 s added to every command in an environment that
     has it, e.g. one with the test extra); the command's own process keeps it out."""
     sys.modules.setdefault("torch", None)
-    sys.exit(main())
+    from .distributed import exit_code
+    sys.exit(exit_code(main()))  # a failed data-parallel worker ends the whole job
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
 
 class Engine:
     def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
-                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True):
+                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, ranks: int = 1):
         from lorac.graphs import lora_tensor_names
         if target not in DEVICE_OF:
             raise LoracError(f"lorac runs on cpu or cuda; compile other targets with `lorac compile` (got {target!r})")
@@ -99,13 +99,16 @@ class Engine:
         # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
         self.cuda_graph = cuda_graph and target == "cuda"
         # what a checkpoint must match: the scan chunk length changes how the Mamba scan is
-        # computed, not what, so a run may resume on a device whose default length differs
-        same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"})
+        # computed, not what, so a run may resume on a device whose default length differs; nor
+        # does splitting the batch over `ranks` data-parallel workers (the whole batch's graph)
+        same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"},
+                            batch=train.batch * ranks)
         self.graph_hash = graph_key("train", spec, same_math)
         self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
         self._weights = None
         self._arts: dict = {}
         self._owned: dict = {}  # plain artifacts' own copies of the LoRA views (_feed)
+        self.grad_reducer = None  # data parallel: sums the flat gradients over the workers (distributed.py)
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
@@ -217,9 +220,11 @@ class Engine:
         step = self._artifact("eval")
         return float(step({**self._weights, **self._feed(step, lora), **batch}, as_numpy=False)["loss"].numpy())
 
-    def update(self, grads: dict, lr_a: float, lr_b: float, t: int):
+    def update(self, grads: dict, lr_a: float, lr_b: float, t: int, grad_share: float = 1.0):
         """One LoRA+ AdamW step on the device over the flat state -> (grad_norm, skipped).
-        A skipped step (non-finite gradient norm) leaves the state as it was."""
+        A skipped step (non-finite gradient norm) leaves the state as it was. With a
+        grad_reducer, the flat gradients are first summed over the workers, each weighted by
+        its `grad_share` of the batch."""
         opt = self._artifact("adamw")
         for n in self.names:  # device-to-device copies into the flat gradient buffers
             g = grads[f"{n}.grad"]
@@ -227,6 +232,8 @@ class Engine:
                 self._g_views[n].copyfrom(np.ascontiguousarray(g, np.float32))
             else:
                 g.copyto(self._g_views[n])
+        if self.grad_reducer is not None:
+            self.grad_reducer(self._g, grad_share)
         feeds = {}
         for k in self._p:
             feeds.update({f"{k}.param": self._p[k], f"{k}.grad": self._g[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
