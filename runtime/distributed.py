@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -64,7 +65,7 @@ def shard_rows(batch: dict, rank: int, size: int) -> tuple[dict, float]:
 
 class Single:
     """One process: no one to talk to."""
-    size, rank, main = 1, 0, True
+    size, rank, main, done = 1, 0, True, False
     grad_reducer = None
 
     def shard(self, batch):
@@ -106,7 +107,7 @@ def setup(cfg):
             raise LoracError(f"--gpus {cfg.gpus}: this process was not started by mpiexec "
                              "(run `lorac train --gpus N` to launch the workers)")
         return _world
-    world = Mpi(cfg.dist_timeout)
+    world = Mpi(cfg.dist_timeout, cfg.out)
     if cfg.gpus and cfg.gpus != world.size:
         world.fail_all(f"--gpus {cfg.gpus}, but mpiexec started {world.size} workers; give -n {cfg.gpus} or drop --gpus")
     if cfg.batch % world.size:
@@ -128,14 +129,14 @@ def _import_mpi():
 
 class Mpi:
     """The workers of an MPI job (COMM_WORLD); every collective waits at most `timeout` s."""
-    main = False
+    main = done = False  # done: the run ended on every worker alike (train.train)
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, out="."):
         self.MPI = MPI = _import_mpi()
         self.comm = MPI.COMM_WORLD
         self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.main = self.rank == 0
-        self.timeout = float(timeout)
+        self.timeout, self.out = float(timeout), out
         self.local_rank = self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
         self.grad_reducer = None
 
@@ -150,8 +151,7 @@ class Mpi:
                 spins += 1
                 continue
             if time.monotonic() > deadline:
-                raise WorkerTimeout(f"{what}: a worker did not answer within {self.timeout:g} s (--dist-timeout); "
-                                    "it died or hangs, so the run stops here")
+                raise self.timed_out(what)
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
@@ -175,6 +175,10 @@ class Mpi:
         reqs = [self.comm.Iallreduce(self.MPI.IN_PLACE, a, op=self.MPI.SUM) for a in arrays]
         for r in reqs:
             self._wait(r, what)
+
+    def timed_out(self, what: str) -> WorkerTimeout:
+        return WorkerTimeout(f"{what}: a worker did not answer within {self.timeout:g} s (--dist-timeout); it died "
+                             f"or hangs, so the run stops here. {checkpoint_note(self.out)}")
 
     # -- what the training loop asks -----------------------------------------------------
     def shard(self, batch):
@@ -297,11 +301,23 @@ class QuietExit(SystemExit):
 
 
 def exit_code(rc: int) -> int:
-    """Called with the command's exit status: a failed worker takes the whole MPI job down (no
-    worker is left waiting for it); a finished one leaves through MPI_Finalize as usual."""
-    if rc and isinstance(_world, Mpi):
+    """Called with the command's exit status: a worker that failed takes the whole MPI job down
+    (none is left waiting for it); one whose run ended, finished or stopped by a signal that all
+    workers agreed on, leaves through MPI_Finalize as usual."""
+    if rc and isinstance(_world, Mpi) and not _world.done:
         _world.abort(rc)
     return rc
+
+
+def checkpoint_note(out) -> str:
+    """Where a stopped run continues from (checkpoints are written whole or not at all)."""
+    root = Path(out) / "checkpoints"
+    try:
+        from .checkpoint import load_checkpoint
+        step = load_checkpoint(root).step
+    except (LoracError, OSError):
+        return "No checkpoint was written yet."
+    return f"The last checkpoint (step {step}) is intact: continue with --resume {root}"
 
 
 def _digest(text: str) -> str:

@@ -27,12 +27,13 @@ import sys
 import threading
 from pathlib import Path
 
+from .distributed import checkpoint_note
 from .errors import LoracError
 
 INSTALL = "pip install 'lorac[distributed]' (mpi4py and MPICH)"
 # MPICH hydra's lines about a job that failed: said again, better, in our one line
 BANNER = re.compile(r"^(=+$|=   |YOUR APPLICATION TERMINATED WITH THE EXIT STRING|This typically refers to a problem "
-                    r"with your application|Please see the FAQ page|application called MPI_Abort|\[mpiexec@[^]]*\] "
+                    r"with your application|Please see the FAQ page|application called MPI_Abort|Abort\(\d+\) on node \d+|\[mpiexec@[^]]*\] "
                     r"(Exit codes:|Sending Ctrl-C|Press Ctrl-C again))")
 EXIT_CODES = re.compile(r"^\[mpiexec@[^]]*\] Exit codes: (.*)$")
 EXIT_STRING = re.compile(r"EXIT STRING: (.*)$")
@@ -114,17 +115,7 @@ def summary_line(out: Output, rc: int, n: int, cfg) -> str | None:
     who = f"worker {culprits[0]} of {n}" if culprits else "a worker"
     how = out.exit_string or f"exit status {rc}"
     how = re.sub(r"^Killed \(signal (\d+)\)$", lambda m: f"killed by {signal.Signals(int(m.group(1))).name}", how)
-    return f"lorac: error: {who} died ({how}); mpiexec stopped the others with it. {checkpoint_note(cfg)}"
-
-
-def checkpoint_note(cfg) -> str:
-    root = Path(cfg.out) / "checkpoints"
-    try:
-        from .checkpoint import load_checkpoint
-        step = load_checkpoint(root).step
-    except (LoracError, OSError):
-        return "No checkpoint was written yet."
-    return f"The last checkpoint (step {step}) is intact: continue with --resume {root}"
+    return f"lorac: error: {who} died ({how}); mpiexec stopped the others with it. {checkpoint_note(cfg.out)}"
 
 
 def launch(cfg, argv: list[str]) -> int:

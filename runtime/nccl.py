@@ -182,9 +182,7 @@ class NcclReducer:
                 raise LoracError(f"the gradient all-reduce failed: {why}; a worker died or lost its connection")
             if time.monotonic() > deadline:
                 self._abort()
-                from .distributed import WorkerTimeout
-                raise WorkerTimeout(f"the gradient all-reduce: a worker did not answer within {self.world.timeout:g} s "
-                                    "(--dist-timeout); it died or hangs, so the run stops here")
+                raise self.world.timed_out("the gradient all-reduce")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 

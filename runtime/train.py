@@ -316,10 +316,12 @@ def train(cfg: TrainConfig, log=None) -> dict:
     cfg.validate()
     if cfg.compile_only:
         return precompile(Run(cfg, log))
-    main = distributed.setup(cfg).main  # data parallel: only rank 0 writes into OUT
-    lock = _claim(Path(cfg.out)) if main else None
+    workers = distributed.setup(cfg)
+    lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
     try:
-        return _train(cfg, log)
+        summary = _train(cfg, log)
+        workers.done = True
+        return summary
     finally:
         if lock is not None:
             lock.release()
