@@ -54,7 +54,7 @@ def _args(d: Path, out: Path, steps: int, *extra) -> list[str]:
     return ["train", "--model", str(d / "model"), "--data", str(d / "corpus.jsonl"), "--out", str(out),
             "--steps", str(steps), "--batch", "4", "--seq", "32", "--lr", "2e-3", "--eval-every", "2",
             "--save-every", "2", "--cache-dir", str(d / "cache"), "--sample-tokens", "0",
-            "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", *extra]
+            "--targets", "q_proj,v_proj,down_proj", *extra]
 
 
 @pytest.fixture(scope="module")
