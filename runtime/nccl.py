@@ -134,8 +134,8 @@ class _Cudart:
 class NcclReducer:
     """grad_reducer for CUDA engines: {group key: flat fp32 device buffer}, share -> summed in place."""
 
-    def __init__(self, world, device: int):
-        self.nccl, self.cuda, self.world, self.device = load(), _Cudart(), world, device
+    def __init__(self, world, device: int, nccl: Nccl | None = None, cudart=None):
+        self.nccl, self.cuda, self.world, self.device = nccl or load(), cudart or _Cudart(), world, device
         self.cuda.check(self.cuda.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
         uid = self.world.broadcast(self.nccl.unique_id() if world.main else None, "the NCCL id")
         self.comm = self.nccl.init_rank(world.size, uid, world.rank)
