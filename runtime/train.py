@@ -147,15 +147,15 @@ class Run:
             self.log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
         elif cfg.scan_chunk:
             raise LoracError(f"--scan-chunk is for Mamba models; {self.spec.arch} has no scan")
-        loss_chunk = cfg.loss_chunk
-        if loss_chunk == 0 and cfg.target == "cuda":  # bound the [tokens, vocab] logits on GPUs
-            from lorac.graphs.loss import auto_chunk
-            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch * cfg.seq)
-            if loss_chunk:
-                self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
         # data parallel: each worker's step takes its share of the global --batch (--compile-only
         # --gpus N, in one process, compiles that step too)
         workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
+        loss_chunk = cfg.loss_chunk
+        if loss_chunk == 0 and cfg.target == "cuda":  # bound the [tokens, vocab] logits on GPUs
+            from lorac.graphs.loss import auto_chunk
+            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq)
+            if loss_chunk:
+                self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing, loss_chunk=loss_chunk, extra=extra)
