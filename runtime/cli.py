@@ -26,7 +26,8 @@ TRAIN_HELP = {
             "Jargon File Q&A corpus)",
     "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
     "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
-    "steps": "optimizer steps", "batch": "sequences per micro-batch (with --gpus: over all workers)", "seq": "tokens per sequence",
+    "steps": "optimizer steps", "batch": "sequences per micro-batch; with --gpus N, of all workers together (--per-device-train-batch-size: "
+             "per worker, as in TRL)", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
                "in_proj,x_proj,dt_proj,out_proj for Mamba)",
@@ -68,6 +69,15 @@ ALIASES = {"lr": "--learning-rate", "steps": "--max-steps", "rank": "--lora-r", 
            "keep_checkpoints": "--save-total-limit"}
 
 
+class _BatchSpelling(argparse.Action):
+    """--batch is the global batch; TRL's --per-device-train-batch-size is per worker (train_config
+    multiplies it by the number of data-parallel workers)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.batch_per_device = option_string == ALIASES["batch"]
+
+
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with defaults for any of these flags")
     defaults = TrainConfig()
@@ -85,7 +95,8 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         else:
             kind = type(default) if default is not None else str
             shown = f" (default: {default})" if default is not None else ""
-            p.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_ + shown)
+            p.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_ + shown,
+                           **({"action": _BatchSpelling} if f.name == "batch" else {}))
 
 
 def _field(key: str) -> str:
@@ -95,11 +106,14 @@ def _field(key: str) -> str:
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    values = {}
+    values, per_device = {}, getattr(args, "batch_per_device", False)
     if args.config:
         import tomllib
         try:
-            values = {_field(k): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
+            raw = tomllib.loads(Path(args.config).read_text())
+            values = {_field(k): v for k, v in raw.items()}
+            per_device = per_device or (args.batch is None and any(
+                "--" + k.replace("_", "-") == ALIASES["batch"] for k in raw))
         except FileNotFoundError:
             raise LoracError(f"config file not found: {args.config}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -117,6 +131,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
     elif isinstance(values.get("targets"), list):
         values["targets"] = tuple(values["targets"])
+    if per_device and isinstance(values.get("batch"), int):  # TRL's meaning: rows per worker
+        from .distributed import requested_workers
+        values["batch"] *= requested_workers(values.get("gpus", 0))
     return TrainConfig(**values)
 
 

@@ -44,6 +44,17 @@ def under_mpi() -> bool:
     return any(k in os.environ for k in LAUNCHER_ENV)
 
 
+def requested_workers(gpus) -> int:
+    """Workers the run will have: --gpus N, else the MPI job's size, else 1 (for TRL's
+    --per-device-train-batch-size, which counts rows per worker)."""
+    if isinstance(gpus, int) and gpus > 1:
+        return gpus
+    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return max(int(os.environ[key]), 1)
+    return 1
+
+
 def counted_tokens(labels: np.ndarray) -> np.ndarray:
     """Tokens each row contributes to the loss (graphs/loss.py: labels shift by one, -100 is ignored)."""
     return (labels[:, 1:] != IGNORE).sum(axis=1)
@@ -108,10 +119,11 @@ def setup(cfg):
                              "(run `lorac train --gpus N` to launch the workers)")
         return _world
     world = Mpi(cfg.dist_timeout, cfg.out)
+    # (every worker finds these and says so; `lorac train --gpus N` shows the line once)
     if cfg.gpus and cfg.gpus != world.size:
-        world.fail_all(f"--gpus {cfg.gpus}, but mpiexec started {world.size} workers; give -n {cfg.gpus} or drop --gpus")
+        raise LoracError(f"--gpus {cfg.gpus}, but mpiexec started {world.size} workers; give -n {cfg.gpus} or drop --gpus")
     if cfg.batch % world.size:
-        world.fail_all(f"--batch {cfg.batch} (the global batch) does not split evenly over {world.size} workers")
+        raise LoracError(f"--batch {cfg.batch} (the global batch) does not split evenly over {world.size} workers")
     if cfg.target == "cuda":
         world.pick_gpu()
     _world = world
@@ -278,10 +290,6 @@ class Mpi:
             flats[k].copyfrom(a)
 
     # -- failing -----------------------------------------------------------------------------
-    def fail_all(self, message: str):
-        """A setting every worker finds wrong: rank 0 says it, the others stay quiet."""
-        raise LoracError(message) if self.main else QuietExit(2)
-
     def abort(self, code: int) -> None:
         """End the whole MPI job now (after this worker printed why): mpiexec stops every other worker."""
         for f in (sys.stdout, sys.stderr):
@@ -294,10 +302,6 @@ class Mpi:
 
 class WorkerTimeout(LoracError):
     """A collective ran past --dist-timeout."""
-
-
-class QuietExit(SystemExit):
-    """A worker other than rank 0 leaving over an error rank 0 reports."""
 
 
 def exit_code(rc: int) -> int:

@@ -6,12 +6,12 @@ plain average of their gradients would be wrong (distributed.shard_rows weights 
 
 What is equal to what (docs/DISTRIBUTED.md, "How equal"): the all-reduced gradient equals the
 one-process gradient of the whole batch to float32 rounding (~5e-7 relative: a batch-2 step
-sums its GEMMs in another order than a batch-4 one), and so do the per-step losses (<= 1e-6).
-AdamW divides each element's step by that element's own gradient scale (plus eps = 1e-8), so an
-element whose gradient nearly cancels (|g| ~ 1e-5 of the median) takes that rounding into its
-update at full learning-rate size; the weights after a few steps then agree to ~1e-5 (relative
-L2 per tensor) rather than 1e-6. A plain, unweighted average of the workers' gradients is off
-by ~1e-2 here, so these bounds still tell right from wrong.
+sums its GEMMs in another order than a batch-4 one), and so do the per-step losses; the final
+LoRA weights agree to 1e-6 relative as a whole (L2 over the adapter). AdamW divides each
+element's step by that element's own gradient scale, so an element whose gradient nearly
+cancels carries the rounding into its update at full learning-rate size: single tensors
+differ by up to ~1e-6, single elements by ~2e-5 of their tensor's largest value. A plain,
+unweighted average of the workers' gradients is off by 13-31 % here.
 """
 import json
 import shutil
@@ -83,7 +83,8 @@ def _rel(x, y) -> float:
 
 
 def _assert_same_run(got: Path, ref: Path, steps) -> None:
-    """Per-step train and eval losses to 1e-6 relative; the final LoRA weights to AdamW's 1e-5 (module doc)."""
+    """Per-step train and eval losses and the final LoRA weights (L2 over the adapter) to 1e-6
+    relative; each tensor to 1e-5 (module doc)."""
     from lorac.runtime.checkpoint import load_checkpoint
     a, b = _losses(got), _losses(ref)
     keys = [k for k in b if k[0] in steps]
@@ -93,8 +94,8 @@ def _assert_same_run(got: Path, ref: Path, steps) -> None:
     ca, cb = load_checkpoint(got / "checkpoints"), load_checkpoint(ref / "checkpoints")
     assert ca.step == cb.step == STEPS and ca.state["data"] == cb.state["data"]
     flat = lambda d: np.concatenate([d[n].ravel() for n in sorted(d)]).astype(np.float64)  # noqa: E731
-    assert _rel(flat(ca.lora), flat(cb.lora)) <= 1e-5
-    assert max(_rel(ca.lora[n], cb.lora[n]) for n in cb.lora) <= 1e-4
+    assert _rel(flat(ca.lora), flat(cb.lora)) <= 1e-6
+    assert max(_rel(ca.lora[n], cb.lora[n]) for n in cb.lora) <= 1e-5
 
 
 @needs_mpi
@@ -115,6 +116,7 @@ def test_a_two_worker_checkpoint_resumes_in_one_process(work, tmp_path):
     r = _run(_args(work, out, STEPS, "--resume", str(out / "checkpoints" / "ckpt-000002")))
     assert r.returncode == 0, r.stderr[-3000:]
     _assert_same_run(out, work / "ref", range(3, STEPS + 1))
+    _assert_same_run(out, work / "dp", range(3, STEPS + 1))  # and the 2-worker run it continues
 
 
 def _worker(launcher: subprocess.Popen, rank: int, timeout: float = 60):
@@ -223,7 +225,7 @@ def test_weighted_worker_gradients_sum_to_the_whole_batch_gradient(base):
         part, share = shard_rows(batch, r, 2)
         _, g = grads(halves, part)
         plain = {k: plain[k] + (np.float32(0.5) - np.float32(share)) * v for k, v in g.items()}
-    assert max(_rel(plain[k], ref[k]) for k in ref) > 1e-3
+    assert min(_rel(plain[k], ref[k]) for k in ref) > 1e-2
 
 
 def test_shards_weigh_their_counted_tokens():
@@ -264,6 +266,19 @@ def test_gpus_without_mpi_or_uneven_batch_is_one_line(tmp_path):
         with pytest.raises(LoracError, match="not started by mpiexec"):
             distributed.setup(TrainConfig(gpus=2))
     assert main(["train", "--gpus", "-1"]) == 2
+
+
+def test_trl_per_device_batch_counts_per_worker(tmp_path):
+    """--batch is the global batch; TRL's --per-device-train-batch-size keeps its meaning."""
+    from lorac.runtime.cli import build_parser, train_config
+    parse = lambda *a: train_config(build_parser().parse_args(["train", *a]))  # noqa: E731
+    assert parse("--batch", "4", "--gpus", "2").batch == 4
+    assert parse("--per-device-train-batch-size", "4", "--gpus", "2").batch == 8
+    assert parse("--per-device-train-batch-size", "4").batch == 4
+    assert parse("--per-device-train-batch-size", "4", "--batch", "6", "--gpus", "2").batch == 6  # the last flag wins
+    toml = tmp_path / "run.toml"
+    toml.write_text("per_device_train_batch_size = 3\ngpus = 2\n")
+    assert parse("--config", str(toml)).batch == 6 and parse("--config", str(toml), "--batch", "4").batch == 4
 
 
 def test_launcher_turns_mpi_failure_reports_into_one_line(tmp_path):
