@@ -18,23 +18,14 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 from peer_gpu_common import loraplus_adamw  # noqa: E402
-from peer_lora_gpu import MODELS  # noqa: E402
+from peer_lora_gpu import MODELS, lora_model  # noqa: E402
 
 
 def run(name, B, S, mode, world, steps=8, warm=3):
-    conf_cls, cfg = MODELS[name]
-    torch.manual_seed(0)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(conf_cls(**cfg, max_position_embeddings=max(S, 4096)),
-                                                 torch_dtype=torch.bfloat16, attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    cfg = MODELS[name][1]
+    model = lora_model(name, S)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
     opt = loraplus_adamw(model, 1e-4, fused=True)
     fwd = torch.compile(ddp) if mode == "compile" else ddp
