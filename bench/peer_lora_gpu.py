@@ -31,7 +31,8 @@ MODELS = {
 }
 
 
-def run(name, B, S, mode, steps=8, warm=3):
+def lora_model(name: str, S: int, gradient_checkpointing: bool = False):
+    """The random-init bf16 model `name` on the GPU (seed 0) with PEFT LoRA r=16 on all seven targets."""
     conf_cls, cfg = MODELS[name]
     torch.manual_seed(0)
     torch.cuda.empty_cache()
@@ -39,11 +40,16 @@ def run(name, B, S, mode, steps=8, warm=3):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(conf_cls(**cfg, max_position_embeddings=max(S, 4096)),
                                                  torch_dtype=torch.bfloat16, attn_implementation="sdpa")
-    if mode == "eager-gc":
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+
+
+def run(name, B, S, mode, steps=8, warm=3):
+    cfg = MODELS[name][1]
+    model = lora_model(name, S, gradient_checkpointing=mode == "eager-gc")
     opt = loraplus_adamw(model, 1e-4, fused=True)
     fwd = {"compile": lambda m: torch.compile(m), "reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead")
            }.get(mode, lambda m: m)(model)

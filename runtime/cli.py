@@ -27,7 +27,8 @@ TRAIN_HELP = {
             "Jargon File Q&A corpus)",
     "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
     "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
-    "steps": "optimizer steps", "batch": "sequences per micro-batch", "seq": "tokens per sequence",
+    "steps": "optimizer steps", "batch": "sequences per micro-batch; with --gpus N, of all workers together (--per-device-train-batch-size: "
+             "per worker, as in TRL)", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
                "in_proj,x_proj,dt_proj,out_proj for Mamba)",
@@ -56,6 +57,10 @@ TRAIN_HELP = {
                      "(graphs cut the host's work per step from ~15,000 calls to a few hundred)",
     "progress": "auto (a bar on a terminal, a line per step elsewhere), bar or lines",
     "report_to": "none, or tensorboard (scalars to OUT/runs; pip install 'lorac[tensorboard]')",
+    "gpus": "data-parallel workers on this host: N processes through mpiexec, one per GPU with --target cuda "
+            "(CPU processes with --target cpu); --batch is the global batch, split over them; several hosts: "
+            "docs/DISTRIBUTED.md (pip install 'lorac[distributed]')",
+    "dist_timeout": "seconds a worker waits for the others in a collective before the run stops with an error",
     "compile_only": "compile every graph of the run for --target into --cache-dir and stop; copy the "
                     "cache to the machine that trains (it needs no compiler then)",
 }
@@ -68,6 +73,15 @@ ALIASES = {"lr": "--learning-rate", "steps": "--max-steps", "rank": "--lora-r", 
            "grad_accum": "--gradient-accumulation-steps", "out": "--output-dir", "warmup": "--warmup-steps",
            "targets": "--target-modules", "eval_every": "--eval-steps", "save_every": "--save-steps",
            "keep_checkpoints": "--save-total-limit"}
+
+
+class _BatchSpelling(argparse.Action):
+    """--batch is the global batch; TRL's --per-device-train-batch-size is per worker (train_config
+    multiplies it by the number of data-parallel workers)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.batch_per_device = option_string == ALIASES["batch"]
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -87,7 +101,8 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         else:
             kind = type(default) if default is not None else str
             shown = f" (default: {default})" if default is not None else ""
-            p.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_ + shown)
+            p.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_ + shown,
+                           **({"action": _BatchSpelling} if f.name == "batch" else {}))
 
 
 def _field(key: str) -> str:
@@ -97,11 +112,14 @@ def _field(key: str) -> str:
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    values = {}
+    values, per_device = {}, getattr(args, "batch_per_device", False)
     if args.config:
         import tomllib
         try:
-            values = {_field(k): v for k, v in tomllib.loads(Path(args.config).read_text()).items()}
+            raw = tomllib.loads(Path(args.config).read_text())
+            values = {_field(k): v for k, v in raw.items()}
+            per_device = per_device or (args.batch is None and any(
+                "--" + k.replace("_", "-") == ALIASES["batch"] for k in raw))
         except FileNotFoundError:
             raise LoracError(f"config file not found: {args.config}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -119,6 +137,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
     elif isinstance(values.get("targets"), list):
         values["targets"] = tuple(values["targets"])
+    if per_device and isinstance(values.get("batch"), int):  # TRL's meaning: rows per worker
+        from .distributed import requested_workers
+        values["batch"] *= requested_workers(values.get("gpus", 0))
     return TrainConfig(**values)
 
 
@@ -144,9 +165,15 @@ def _check_types(values: dict, where: str) -> None:
 def cmd_train(args) -> int:
     import signal
 
+    from . import distributed
     from .train import train
-    summary = train(train_config(args))
-    print(json.dumps(summary, indent=1))
+    cfg = train_config(args)
+    if cfg.gpus > 1 and not distributed.under_mpi() and not cfg.compile_only:
+        from .launch import launch  # --gpus N: start N workers through mpiexec, each runs this command
+        return launch(cfg, args.argv)
+    summary = train(cfg)
+    if distributed.current().main:  # data parallel: rank 0 speaks for the run
+        print(json.dumps(summary, indent=1))
     if summary.get("interrupted"):  # a checkpoint was saved; the exit status says the run is not done
         return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
     return 0
@@ -350,6 +377,7 @@ def main(argv=None) -> int:
         return _guard(lambda: cmd_compile(argv[1:]))
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.argv = argv
     if not getattr(args, "func", None):
         if not argv:  # `lorac` alone: the demo is `lorac train`
             ap.print_help()
@@ -415,7 +443,8 @@ def console() -> None:
     eagerly whenever it is installed (~2 s added to every command in an environment that
     has it, e.g. one with the test extra); the command's own process keeps it out."""
     sys.modules.setdefault("torch", None)
-    sys.exit(main())
+    from .distributed import exit_code
+    sys.exit(exit_code(main()))  # a failed data-parallel worker ends the whole job
 
 
 if __name__ == "__main__":

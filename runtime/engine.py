@@ -86,7 +86,7 @@ class Graphs:
     """What the engines of every backend share: the specs, the LoRA tensors' names and shapes,
     the training graph's identity (what a checkpoint must match) and how each graph is emitted."""
 
-    def __init__(self, spec, train, target: str, dtype: str, cache_dir, optim_cfg, log):
+    def __init__(self, spec, train, target: str, dtype: str, cache_dir, optim_cfg, log, ranks: int = 1):
         from lorac.graphs import lora_tensor_names
         self.spec, self.train, self.target, self.dtype = spec, train, target, dtype
         self.cache_dir, self.log = Path(cache_dir), log or (lambda msg: print(msg, file=sys.stderr))
@@ -94,9 +94,12 @@ class Graphs:
         self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
         self.optim_cfg = optim_cfg
         # what a checkpoint must match: the scan chunk length changes how the Mamba scan is
-        # computed, not what, so a run may resume on a device whose default length differs
-        same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"})
+        # computed, not what, so a run may resume on a device whose default length differs; nor
+        # does splitting the batch over `ranks` data-parallel workers (the whole batch's graph)
+        same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"},
+                            batch=train.batch * ranks)
         self.graph_hash = graph_key("train", spec, same_math)
+        self.grad_reducer = None  # data parallel: sums the flat gradients over the workers (distributed.py)
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
@@ -146,9 +149,9 @@ class Engine(Graphs):
     """The TVM backend: compiled artifacts (lorac.compiler), run by TVM's runtime on `target`'s device."""
 
     def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
-                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True):
+                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, ranks: int = 1):
         device = devices.for_target(target)
-        super().__init__(spec, train, target, dtype or device.DEFAULT_DTYPE, cache_dir, optim_cfg, log)
+        super().__init__(spec, train, target, dtype or device.DEFAULT_DTYPE, cache_dir, optim_cfg, log, ranks)
         self.device = device.NAME
         # on CUDA the training step runs as a few CUDA graphs (the host issued ~15,000 calls a
         # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
@@ -254,9 +257,11 @@ class Engine(Graphs):
         step = self._artifact("eval")
         return float(step({**self._weights, **self._feed(step, lora), **batch}, as_numpy=False)["loss"].numpy())
 
-    def update(self, grads: dict, lr_a: float, lr_b: float, t: int):
+    def update(self, grads: dict, lr_a: float, lr_b: float, t: int, grad_share: float = 1.0):
         """One LoRA+ AdamW step on the device over the flat state -> (grad_norm, skipped).
-        A skipped step (non-finite gradient norm) leaves the state as it was."""
+        A skipped step (non-finite gradient norm) leaves the state as it was. With a
+        grad_reducer, the flat gradients are first summed over the workers, each weighted by
+        its `grad_share` of the batch."""
         opt = self._artifact("adamw")
         for n in self.names:  # device-to-device copies into the flat gradient buffers
             g = grads[f"{n}.grad"]
@@ -264,6 +269,8 @@ class Engine(Graphs):
                 self._g_views[n].copyfrom(np.ascontiguousarray(g, np.float32))
             else:
                 g.copyto(self._g_views[n])
+        if self.grad_reducer is not None:
+            self.grad_reducer(self._g, grad_share)
         feeds = {}
         for k in self._p:
             feeds.update({f"{k}.param": self._p[k], f"{k}.grad": self._g[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
@@ -294,11 +301,15 @@ def _lora_shape(spec, train, name: str) -> tuple[int, int]:
 
 
 def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
-                cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, providers=None):
-    """The engine of `backend`: "tvm" (compiled artifacts) or "ort" (onnxruntime, `providers`)."""
+                cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, providers=None,
+                ranks: int = 1):
+    """The engine of `backend`: "tvm" (compiled artifacts) or "ort" (onnxruntime, `providers`);
+    `ranks` data-parallel workers (distributed.py) on the TVM backend."""
     if backend == "ort":
+        if ranks > 1:
+            raise LoracError("data-parallel training (--gpus, mpiexec) runs on --backend tvm")
         from .engine_ort import OrtEngine
         return OrtEngine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, providers=providers)
     if providers:
         raise LoracError("--ort-providers is for --backend ort")
-    return Engine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, cuda_graph=cuda_graph)
+    return Engine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, cuda_graph=cuda_graph, ranks=ranks)

@@ -223,7 +223,7 @@ class OrtEngine(Graphs):
         s.run({**weights, **lora, **batch}, {"loss": loss})
         return float(loss.numpy())
 
-    def update(self, grads: dict, lr_a: float, lr_b: float, t: int):
+    def update(self, grads: dict, lr_a: float, lr_b: float, t: int, grad_share: float = 1.0):
         """One LoRA+ AdamW step over the flat state -> (grad_norm, skipped); a skipped step
         (non-finite gradient norm) leaves the state as it was."""
         from lorac.graphs.optimizer import pack

@@ -65,6 +65,8 @@ class TrainConfig:
     no_cuda_graph: bool = False  # cuda: run the training step as plain VM calls, not CUDA graphs
     progress: str = "auto"  # a bar on a terminal, a line per step elsewhere (report.py)
     report_to: str = "none"  # "tensorboard": scalars to OUT/runs too
+    gpus: int = 0  # data-parallel workers launched on this host (runtime/launch.py); 0: one, or the MPI job's
+    dist_timeout: float = 600.0  # seconds a worker waits for the others in a collective (torch's NCCL default)
     extra: dict = field(default_factory=dict)
 
     def validate(self):
@@ -80,6 +82,12 @@ class TrainConfig:
             raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
         if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
             raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0:
+            raise LoracError(f"--gpus must be an integer >= 0, got {self.gpus!r}")
+        if self.gpus > 1 and self.batch % self.gpus:
+            raise LoracError(f"--batch {self.batch} is the global batch and must split evenly over --gpus {self.gpus}")
+        if not isinstance(self.dist_timeout, (int, float)) or not 0 < self.dist_timeout < math.inf:
+            raise LoracError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
         from .report import check_report_settings
@@ -133,8 +141,12 @@ class Run:
         from .model_source import resolve_model
         from .optim import LoraPlusConfig
 
+        from .distributed import current
         cfg.validate()
+        self.dp = dp = current()  # the data-parallel workers (distributed.py); rank 0 alone logs
         self.cfg, self.log = cfg, log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not dp.main:
+            self.log = lambda msg: None
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
         self.model_config, weights, self.tokenizer = self.source.load()
@@ -153,13 +165,16 @@ class Run:
             self.log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
         elif cfg.scan_chunk:
             raise LoracError(f"--scan-chunk is for Mamba models; {self.spec.arch} has no scan")
+        # data parallel: each worker's step takes its share of the global --batch (--compile-only
+        # --gpus N, in one process, compiles that step too)
+        workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
         loss_chunk = cfg.loss_chunk
         if loss_chunk == 0 and cfg.target == "cuda":  # bound the [tokens, vocab] logits on GPUs
             from lorac.graphs.loss import auto_chunk
-            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch * cfg.seq)
+            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq)
             if loss_chunk:
                 self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
-        self.train_spec = TrainSpec(batch=cfg.batch, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
+        self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing, loss_chunk=loss_chunk, extra=extra)
         self.train_spec.validate(self.spec)
@@ -180,7 +195,7 @@ class Run:
             self.log(f"cpu GEMMs: {blas_info()}")
         self.engine = make_engine(cfg.backend, self.spec, self.train_spec, weights, cfg.target, cfg.dtype,
                                   cfg.cache_dir, self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph,
-                                  providers=cfg.ort_providers)
+                                  providers=cfg.ort_providers, ranks=workers)
         del weights  # the device holds them now
         if self.adapter:
             self.adapter.check_shapes(self.engine.shapes)
@@ -220,14 +235,17 @@ class Run:
                                keep=self.cfg.keep_checkpoints)
 
     def evaluate(self, lora) -> float:
-        """Mean loss over the first `eval_batches` eval batches (token-weighted)."""
+        """Mean loss over the first `eval_batches` eval batches (token-weighted; each worker
+        scores its rows of every batch)."""
         total = count = 0.0
         for i, b in enumerate(self.data.eval_batches(self.cfg.batch)):
             if i >= self.cfg.eval_batches:
                 break
+            b, _ = self.dp.shard(b)
             n = float(np.sum(b["labels"][:, 1:] != -100))
             total += self.engine.eval_loss(b, lora) * n
             count += n
+        total, count = self.dp.total([total, count])
         return total / max(count, 1.0)
 
 
@@ -313,14 +331,19 @@ LOCK_FILE = ".lorac.lock"  # in OUT: held (flock) by the run writing there
 def train(cfg: TrainConfig, log=None) -> dict:
     """Run the whole job; returns a summary dict (also written to OUT/summary.json). The output
     directory is locked for the run: a second run into it fails at once with one line."""
+    from . import distributed
     cfg.validate()
     if cfg.compile_only:
         return precompile(Run(cfg, log))
-    lock = _claim(Path(cfg.out))
+    workers = distributed.setup(cfg)
+    lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
     try:
-        return _train(cfg, log)
+        summary = _train(cfg, log)
+        workers.done = True
+        return summary
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _claim(out: Path):
@@ -341,28 +364,32 @@ def _train(cfg: TrainConfig, log=None) -> dict:
     from .optim import group_lrs
 
     run = Run(cfg, log)
-    log = run.log
+    log, dp = run.log, run.dp
     out = Path(cfg.out)
-    st = run.resume_state(cfg.resume) if cfg.resume else run.fresh_state()
-    batches = run.data.batches(cfg.batch, seed=cfg.seed, state=st["data"])
+    dp.check_identity(run)
+    # data parallel: rank 0 reads --resume (or starts fresh) and every worker starts from its state
+    st = dp.share_state(run, lambda: run.resume_state(cfg.resume) if cfg.resume else run.fresh_state())
+    batches = run.data.batches(cfg.batch, seed=cfg.seed, state=st["data"])  # global batches, dp.shard splits them
     eng = run.engine
     eng.set_state(st["lora"], st["m"], st["v"])
-    if cfg.resume:  # steps after the checkpoint are made again: drop their old lines
+    dp.attach(eng)
+    if cfg.resume and dp.main:  # steps after the checkpoint are made again: drop their old lines
         resume.truncate_metrics(out / "metrics.jsonl", st["step"])
-    report = Report(out, cfg.progress, cfg.report_to, cfg.resume, log)
+    report = Report(out, cfg.progress, cfg.report_to, cfg.resume, log) if dp.main else _Silent()
     log = run.log = eng.log = report.log  # above the progress bar, where there is one
-    compile_all(eng, graph_kinds(run), cfg.progress)
+    compile_all(eng, graph_kinds(run), cfg.progress if dp.main else "lines")
     # Ctrl-C, SIGTERM, SIGHUP: finish the step, save a checkpoint, exit nonzero. The handlers
     # stay until the end: a Ctrl-C inside a compiled call would surface as a TVM error from
     # the GEMM callback rather than as KeyboardInterrupt
+    # (data parallel: a signal only marks this worker; the workers agree after each step)
     stop = {"now": False, "signal": None}
-    previous = {sig: signal.signal(sig, lambda n, _f: stop.update(now=True, signal=n)) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, lambda n, _f: stop.update(now=dp.size == 1, signal=n)) for sig in STOP_SIGNALS}
     first_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
     if first_eval is not None:
         if not cfg.resume:
             report.eval(st["step"], first_eval)
         log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
-    base_sample = show_sample(run, eng.lora, "base model") if not cfg.resume else None
+    base_sample = show_sample(run, eng.lora, "base model") if not cfg.resume and dp.main else None
     tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
     t_start = time.perf_counter()
     start_step = st["step"]
@@ -370,20 +397,29 @@ def _train(cfg: TrainConfig, log=None) -> dict:
         t0 = time.perf_counter()
         st["step"] += 1
         lr_a, lr_b = group_lrs(st["updates"] + 1, run.optim_cfg)
-        # forward + backward over grad_accum micro-batches; gradients averaged
-        loss, grads = 0.0, None
+        # forward + backward over grad_accum micro-batches; gradients averaged. Data parallel: a
+        # worker's loss and gradient count with its share w of each micro-batch's tokens, and
+        # eng.update sums the workers' gradients (w = 1 in one process)
+        loss, grads, share = 0.0, None, 1.0
         if cfg.grad_accum == 1:  # gradients stay on the device; the loss is read after the
-            grads = eng.step(next(batches), eng.lora, read_loss=False)  # update is enqueued
+            batch, share = dp.shard(next(batches))  # update is enqueued
+            grads = eng.step(batch, eng.lora, read_loss=False)
             loss = grads.pop("loss")
         for _ in range(cfg.grad_accum if cfg.grad_accum > 1 else 0):
-            res = eng.step(next(batches), eng.lora)
-            loss += res.pop("loss") / cfg.grad_accum
+            batch, w = dp.shard(next(batches))
+            res = eng.step(batch, eng.lora)
+            loss += w * res.pop("loss") / cfg.grad_accum
             part = eng.host(res)  # summed on the host
+            part = part if w == 1.0 else {k: np.float32(w) * g for k, g in part.items()}
             grads = part if grads is None else {k: grads[k] + part[k] for k in grads}
         if cfg.grad_accum > 1:
             grads = {k: g / cfg.grad_accum for k, g in grads.items()}
-        gnorm, skipped = eng.update(grads, lr_a, lr_b, st["updates"] + 1)
-        loss = loss if isinstance(loss, float) else float(loss.numpy())
+        gnorm, skipped = eng.update(grads, lr_a, lr_b, st["updates"] + 1, grad_share=share)
+        if not isinstance(loss, float):
+            loss = share * float(loss.numpy())
+        loss, agreed = dp.agree(loss, stop["signal"])
+        if agreed:
+            stop.update(now=True, signal=agreed)
         if skipped:  # a non-finite gradient (a NaN loss makes one too) is never applied
             st["skipped"] += 1
             log(f"step {st['step']}: non-finite loss/gradient (loss {loss}, grad norm {gnorm}); step skipped "
@@ -400,14 +436,19 @@ def _train(cfg: TrainConfig, log=None) -> dict:
             report.eval(st["step"], ev)
             log(f"eval loss after step {st['step']}: {ev:.4f}")
         if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
-            path = run.save(st, batches)
-            respect_umask(path)
-            log(f"checkpoint: {path}")
+            dp.check_same(eng, st["step"])
+            if dp.main:
+                path = run.save(st, batches)
+                respect_umask(path)
+                log(f"checkpoint: {path}")
     report.close()
     interrupted = st["step"] < cfg.steps  # a signal after the last step does not count
     final_eval = run.evaluate(eng.lora) if cfg.eval_batches and not interrupted else None
     if final_eval is not None:
         log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
+    if not dp.main:  # the other workers are done: rank 0 samples, exports and sums up
+        _restore(previous)
+        return dict(interrupted=interrupted, stopped_by=signal.Signals(stop["signal"]).name if interrupted else None)
     summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
                    eval_loss_after=final_eval, interrupted=interrupted,
                    stopped_by=signal.Signals(stop["signal"]).name if interrupted and stop["signal"] else None,
@@ -426,6 +467,19 @@ def _train(cfg: TrainConfig, log=None) -> dict:
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    _restore(previous)
     return summary
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+class _Silent:
+    """The report of a data-parallel worker other than rank 0: rank 0 reports for all."""
+
+    def log(self, msg):
+        pass
+
+    eval = step = close = lambda self, *a: None

@@ -24,8 +24,10 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     from .. import cuda_loader
     from ..errors import LoracError
     cuda_loader.prepare(art_dir, manifest)
+    import os
+
     import tvm
-    dev = tvm.cuda(0)
+    dev = tvm.cuda(int(os.environ.get("LORAC_CUDA_DEVICE", "0")))  # a data-parallel worker's GPU
     if not dev.exist:
         raise LoracError("device cuda requested but no CUDA GPU is visible")
     if manifest.get("unit_calls"):  # fused attention on cuDNN: plans built now
