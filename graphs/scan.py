@@ -149,8 +149,26 @@ def _carry_backward(g, dh0, e_last, d: ScanDims):
     return _shift(g, _linear_scan(g, e_last, dh0, d, reverse=True), 1, d, 0.0, True)
 
 
+def _variant(d: ScanDims, np_float) -> str:
+    return f"B={d.batch} S={d.seq} I={d.channels} M={d.state} L={d.chunk} {np.dtype(np_float).name}"
+
+
 def scan_forward(g, u, dt, A, Bm, Cm, D, d: ScanDims):
-    """-> (y [B, S, I], saved h0 [B, C, I, M])."""
+    """-> (y [B, S, I], saved h0 [B, C, I, M]: the state entering each chunk). The unit
+    lorac.SelectiveScan; its `chunk` attribute is L, for a compiler that maps it whole."""
+    return g.call("SelectiveScan", _variant(d, g.np_float), [u, dt, A, Bm, Cm, D], 2,
+                  lambda fb, *x: _forward_body(fb, *x, d), chunk=d.chunk)
+
+
+def scan_backward(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
+    """dy [B, S, I] -> (du, ddt [B, S, I], dBm, dCm [B, S, M]); A and D are frozen. The unit
+    lorac.SelectiveScanGrad."""
+    return g.call("SelectiveScanGrad", _variant(d, g.np_float), [dy, u, dt, A, Bm, Cm, D, h0], 4,
+                  lambda fb, *x: _backward_body(fb, *x, d), chunk=d.chunk)
+
+
+# -- the unit bodies (default-domain ONNX) ------------------------------------------------
+def _forward_body(g, u, dt, A, Bm, Cm, D, d: ScanDims):
     I, M = d.channels, d.state
     uc, dtc, Bc, Cc = _chunk(g, u, I, d), _chunk(g, dt, I, d), _chunk(g, Bm, M, d), _chunk(g, Cm, M, d)
     lam, _, _, _, hin = _intra(g, uc, dtc, A, Bc, d)
@@ -158,15 +176,11 @@ def scan_forward(g, u, dt, A, Bm, Cm, D, d: ScanDims):
     h0 = _carry_forward(g, _last(g, elam, d), _last(g, hin, d), d)
     h = g.op("Add", hin, g.op("Mul", elam, _unsq(g, h0, 2)))
     y = _unchunk(g, _sum(g, g.op("Mul", h, _unsq(g, Cc, 3)), -1), I, d)
-    if D is not None:
-        y = g.op("Add", y, g.op("Mul", u, D))
-    return y, h0
+    return g.op("Add", y, g.op("Mul", u, D)), h0
 
 
-def scan_backward(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
-    """dy [B, S, I] -> (du, ddt [B, S, I], dBm, dCm [B, S, M]); A and D are frozen.
-
-    With h = hin + hc, hc = exp(lam) h0:   dCm = sum_I dy h,  dh = dy Cm,
+def _backward_body(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
+    """With h = hin + hc, hc = exp(lam) h0:   dCm = sum_I dy h,  dh = dy Cm,
       dh0 (local) = sum_t dh exp(lam_t),   dlam += dh hc,
       chain: dhin_{L-1} += G_{c+1},        dlam_{L-1} += G_{c+1} E_c h0_c,
       hin_t = sum_s P_ts w_s, P_ts = exp(lam_t - lam_s):
@@ -200,6 +214,5 @@ def scan_backward(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
     dB = _sum(g, g.op("Mul", dw, _unsq(g, xb, -1)), 3)  # [B, C, L, M]
     ddt = g.op("Add", _sum(g, g.op("Mul", da, A), -1), g.op("Mul", dxb, uc))
     du = _unchunk(g, g.op("Mul", dxb, dtc), I, d)
-    if D is not None:
-        du = g.op("Add", du, g.op("Mul", dy, D))
+    du = g.op("Add", du, g.op("Mul", dy, D))
     return du, _unchunk(g, ddt, I, d), _unchunk(g, dB, M, d), _unchunk(g, dC, M, d)
