@@ -36,7 +36,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-CPU_GROUP = 16  # channels per parallel CPU task (B * I / 16 tasks: 384 at 4 x 1536)
+CPU_GROUP = 16  # channels a CPU task advances together, one after another, at each step
+CPU_TASKS = 64  # parallel tasks of the CPU backward (each writes a partial of dBm, dCm)
 WARP = 32
 _UNROLL = 4  # time steps per unrolled body on the GPU: lets the loads of later steps overlap
 
@@ -53,9 +54,21 @@ class Dims:
     def n_chunks(self) -> int:
         return -(-self.seq // self.chunk)
 
+    @property
+    def cpu_group(self) -> int:
+        """G: channels a CPU task advances together at each step (G x M states <= 1 KB: stack)."""
+        return max(1, min(self.channels, 256 // self.state, CPU_GROUP))
+
+    @property
+    def cpu_groups(self) -> int:
+        return -(-self.channels // self.cpu_group)
+
     def groups(self, gpu: bool) -> int:
-        """P: channel groups whose dBm/dCm partial sums the backward writes."""
-        return -(-self.channels // (WARP if gpu else CPU_GROUP))
+        """P: the partial sums of dBm/dCm per batch row the backward writes: one per warp on
+        CUDA; on the CPU one per parallel task, about CPU_TASKS tasks in all."""
+        if gpu:
+            return -(-self.channels // WARP)
+        return max(1, min(self.cpu_groups, -(-CPU_TASKS // self.batch)))
 
 
 def accumulator(in_dtype: str) -> str:
@@ -121,6 +134,13 @@ class _Emit:
         return (_exp_gpu if self.gpu else _exp_cpu)(x, self.acc)
 
     @contextlib.contextmanager
+    def channels(self, G: int, i0, I: int):
+        """for j in range(G): with i = i0 + j < I: yields (j, i)."""
+        with self.T.serial(0, G) as j:
+            with self.when(i0 + j < I, I % G != 0):
+                yield j, i0 + j
+
+    @contextlib.contextmanager
     def when(self, cond, needed: bool = True):
         """`if cond:` around the body, or nothing when the condition always holds."""
         if not needed:
@@ -152,17 +172,20 @@ def _prim_func():
     from tvm.script.ir_builder import tirx as T
     # scheduled here: DLight and lorac's CPU rules leave it alone; no aliasing between buffers.
     # No global symbol: the module it joins names it (BlockBuilder.add_func).
-    T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
+    T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
 
 
 # -- CPU ----------------------------------------------------------------------------------
 def forward_cpu(d: Dims, in_dtype: str):
-    """(u, dt, A, Bm, Cm, D) -> (y, hs). One parallel task per (b, i); the M states are the
-    vector lanes; y's sum over M is a tree of vector adds."""
+    """(u, dt, A, Bm, Cm, D) -> (y, hs). One parallel task per (b, group of G channels); the
+    M states are the vector lanes; at each step the task advances its G channels one after
+    another (G independent recurrences in flight, and u, dt, y read and written in runs of
+    G contiguous values); y's sum over M is a tree of vector adds."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     B, S, I, M, L, C = d.batch, d.seq, d.channels, d.state, d.chunk, d.n_chunks
+    G, n_groups = d.cpu_group, d.cpu_groups
     acc = accumulator(in_dtype)
     e = _Emit(acc, gpu=False)
     with IRBuilder() as ib:
@@ -173,36 +196,42 @@ def forward_cpu(d: Dims, in_dtype: str):
             Bm, Cm = e.arg("Bm", (B, S, M), in_dtype), e.arg("Cm", (B, S, M), in_dtype)
             Dv = e.arg("D", (I,), acc)
             y, hs = e.arg("y", (B, S, I), acc), e.arg("hs", (B, C, I, M), acc)
-            with T.parallel(0, B * I) as bi:
-                b, i = bi // I, bi % I
-                h, a_i, p = e.local(M), e.local(M), e.local(M)
-                with T.vectorized(0, M) as m:
-                    e.store(h, e.zero(), m)
-                    e.store(a_i, A[i, m], m)
-                with T.serial(0, C) as c:
+            with T.parallel(0, B * n_groups) as bg:
+                b, i0 = bg // n_groups, bg % n_groups * G
+                h, a_i, p = e.local(G * M), e.local(G * M), e.local(M)
+                with e.channels(G, i0, I) as (j, i):
                     with T.vectorized(0, M) as m:
-                        e.store(hs, h[m], b, c, i, m)
+                        e.store(h, e.zero(), j * M + m)
+                        e.store(a_i, A[i, m], j * M + m)
+                with T.serial(0, C) as c:
+                    with e.channels(G, i0, I) as (j, i):
+                        with T.vectorized(0, M) as m:
+                            e.store(hs, h[j * M + m], b, c, i, m)
                     with T.serial(0, L) as tt:
                         t = c * L + tt
                         with e.when(t < S, S % L != 0):
-                            dtv, uv = e.load(dt, b, t, i), e.load(u, b, t, i)
-                            with T.vectorized(0, M) as m:
-                                e.store(h, e.exp(dtv * a_i[m]) * h[m] + dtv * uv * e.load(Bm, b, t, m), m)
-                                e.store(p, h[m] * e.load(Cm, b, t, m), m)
-                            e.hsum(p, n=M)
-                            e.store(y, p[0] + Dv[i] * uv, b, t, i)
+                            with e.channels(G, i0, I) as (j, i):
+                                dtv, uv = e.load(dt, b, t, i), e.load(u, b, t, i)
+                                with T.vectorized(0, M) as m:
+                                    k = j * M + m
+                                    e.store(h, e.exp(dtv * a_i[k]) * h[k] + dtv * uv * e.load(Bm, b, t, m), k)
+                                    e.store(p, h[k] * e.load(Cm, b, t, m), m)
+                                e.hsum(p, n=M)
+                                e.store(y, p[0] + Dv[i] * uv, b, t, i)
     return ib.get()
 
 
 def backward_cpu(d: Dims, in_dtype: str):
-    """(dy, u, dt, A, Bm, Cm, D, hs) -> (du, ddt, dBm partials, dCm partials). One parallel
-    task per (b, group of CPU_GROUP channels), which walks its channels one after another and
-    accumulates their dBm/dCm into its own partial [S, M]."""
+    """(dy, u, dt, A, Bm, Cm, D, hs) -> (du, ddt, dBm partials, dCm partials [B, P, S, M]).
+    One parallel task per (b, p): it walks its groups of G channels one after another, each
+    group as in the forward (its G channels interleaved at every step), so at each step the
+    group's dBm_t, dCm_t are vector sums over its channels, added to the task's partial."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     B, S, I, M, L, C = d.batch, d.seq, d.channels, d.state, d.chunk, d.n_chunks
-    G, P = CPU_GROUP, d.groups(gpu=False)
+    G, n_groups, P = d.cpu_group, d.cpu_groups, d.groups(gpu=False)
+    per_task = -(-n_groups // P)
     acc = accumulator(in_dtype)
     e = _Emit(acc, gpu=False)
     with IRBuilder() as ib:
@@ -216,50 +245,63 @@ def backward_cpu(d: Dims, in_dtype: str):
             du, ddt = e.arg("du", (B, S, I), acc), e.arg("ddt", (B, S, I), acc)
             dBp, dCp = e.arg("dBm_part", (B, P, S, M), acc), e.arg("dCm_part", (B, P, S, M), acc)
             with T.parallel(0, B * P) as bp:
-                b, grp = bp // P, bp % P
+                b, part = bp // P, bp % P
                 with T.serial(0, S) as t:
                     with T.vectorized(0, M) as m:
-                        e.store(dBp, e.zero(), b, grp, t, m)
-                        e.store(dCp, e.zero(), b, grp, t, m)
-                h, g, a_i = e.local(M), e.local(M), e.local(M)
-                w1, w2 = e.local(M), e.local(M)
-                hprev, decay = e.local(L * M), e.local(L * M)  # the chunk's h_{t-1} and a_t
-                with T.serial(0, G) as j:
-                    i = grp * G + j
-                    with e.when(i < I, I % G != 0):
-                        with T.vectorized(0, M) as m:
-                            e.store(g, e.zero(), m)
-                            e.store(a_i, A[i, m], m)
+                        e.store(dBp, e.zero(), b, part, t, m)
+                        e.store(dCp, e.zero(), b, part, t, m)
+                h, g, a_i = e.local(G * M), e.local(G * M), e.local(G * M)
+                w1, w2, sum_b, sum_c = e.local(M), e.local(M), e.local(M), e.local(M)
+                hprev, decay = e.local(L * G * M), e.local(L * G * M)  # the chunk's h_{t-1} and a_t
+                with T.serial(0, per_task) as q:
+                    grp = part * per_task + q
+                    i0 = grp * G
+                    with e.when(grp < n_groups, n_groups % P != 0):
+                        with e.channels(G, i0, I) as (j, i):
+                            with T.vectorized(0, M) as m:
+                                e.store(g, e.zero(), j * M + m)
+                                e.store(a_i, A[i, m], j * M + m)
                         with T.serial(0, C) as cr:
                             c = C - 1 - cr
-                            with T.vectorized(0, M) as m:
-                                e.store(h, hs[b, c, i, m], m)
+                            with e.channels(G, i0, I) as (j, i):
+                                with T.vectorized(0, M) as m:
+                                    e.store(h, hs[b, c, i, m], j * M + m)
                             with T.serial(0, L) as tt:  # recompute the chunk's states
                                 t = c * L + tt
                                 with e.when(t < S, S % L != 0):
-                                    dtv, uv = e.load(dt, b, t, i), e.load(u, b, t, i)
-                                    with T.vectorized(0, M) as m:
-                                        a = e.exp(dtv * a_i[m])
-                                        e.store(decay, a, tt * M + m)
-                                        e.store(hprev, h[m], tt * M + m)
-                                        e.store(h, a * h[m] + dtv * uv * e.load(Bm, b, t, m), m)
+                                    with e.channels(G, i0, I) as (j, i):
+                                        dtv, uv = e.load(dt, b, t, i), e.load(u, b, t, i)
+                                        with T.vectorized(0, M) as m:
+                                            k, kt = j * M + m, (tt * G + j) * M + m
+                                            a = e.exp(dtv * a_i[k])
+                                            e.store(decay, a, kt)
+                                            e.store(hprev, h[k], kt)
+                                            e.store(h, a * h[k] + dtv * uv * e.load(Bm, b, t, m), k)
                             with T.serial(0, L) as tr:  # then walk it backwards
                                 tt = L - 1 - tr
                                 t = c * L + tt
                                 with e.when(t < S, S % L != 0):
-                                    dtv, uv, dyv = e.load(dt, b, t, i), e.load(u, b, t, i), e.load(dy, b, t, i)
-                                    xb = dtv * uv
                                     with T.vectorized(0, M) as m:
-                                        a, hp, bm = decay[tt * M + m], hprev[tt * M + m], e.load(Bm, b, t, m)
-                                        gm = dyv * e.load(Cm, b, t, m) + g[m]
-                                        e.store(dCp, dCp[b, grp, t, m] + dyv * (a * hp + xb * bm), b, grp, t, m)
-                                        e.store(dBp, dBp[b, grp, t, m] + gm * xb, b, grp, t, m)
-                                        e.store(w1, gm * bm, m)
-                                        e.store(w2, gm * a_i[m] * a * hp, m)
-                                        e.store(g, gm * a, m)
-                                    e.hsum(w1, w2, n=M)
-                                    e.store(du, dtv * w1[0] + Dv[i] * dyv, b, t, i)
-                                    e.store(ddt, uv * w1[0] + w2[0], b, t, i)
+                                        e.store(sum_b, e.zero(), m)
+                                        e.store(sum_c, e.zero(), m)
+                                    with e.channels(G, i0, I) as (j, i):
+                                        dtv, uv, dyv = e.load(dt, b, t, i), e.load(u, b, t, i), e.load(dy, b, t, i)
+                                        xb = dtv * uv
+                                        with T.vectorized(0, M) as m:
+                                            k, kt = j * M + m, (tt * G + j) * M + m
+                                            a, hp, bm = decay[kt], hprev[kt], e.load(Bm, b, t, m)
+                                            gm = dyv * e.load(Cm, b, t, m) + g[k]
+                                            e.store(sum_c, sum_c[m] + dyv * (a * hp + xb * bm), m)
+                                            e.store(sum_b, sum_b[m] + gm * xb, m)
+                                            e.store(w1, gm * bm, m)
+                                            e.store(w2, gm * a_i[k] * a * hp, m)
+                                            e.store(g, gm * a, k)
+                                        e.hsum(w1, w2, n=M)
+                                        e.store(du, dtv * w1[0] + Dv[i] * dyv, b, t, i)
+                                        e.store(ddt, uv * w1[0] + w2[0], b, t, i)
+                                    with T.vectorized(0, M) as m:
+                                        e.store(dBp, dBp[b, part, t, m] + sum_b[m], b, part, t, m)
+                                        e.store(dCp, dCp[b, part, t, m] + sum_c[m], b, part, t, m)
     return ib.get()
 
 

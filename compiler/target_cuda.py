@@ -66,7 +66,7 @@ def native_units(dtype: str) -> dict:
     if dtype != "bfloat16":
         return scan(gpu=True)
     from .attention_cudnn import converters as attention
-    return {**attention(), **scan(gpu=True)}
+    return {**attention(), **scan(gpu=True, narrow="bfloat16")}
 
 
 def _nvcc() -> str | None:
