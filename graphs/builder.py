@@ -142,6 +142,12 @@ class GraphBuilder:
     def reduce_mean(self, x, *axes: int, keepdims: int = 1):
         return self.op("ReduceMean", x, self.ints(*axes), keepdims=keepdims)
 
+    def kept(self, x):
+        """x unchanged, as a sum over a new axis of length 1: a reduction, which TVM's FuseOps
+        ends a kernel at (it fuses only elementwise ops after a reduction), so x is written
+        once instead of recomputed inside every reader it would fuse into."""
+        return self.op("ReduceSum", self.op("Unsqueeze", x, self.ints(-1)), self.ints(-1), keepdims=0)
+
     def slice(self, x, start: int, end: int, axis: int):
         return self.op("Slice", x, self.ints(start), self.ints(end), self.ints(axis))
 

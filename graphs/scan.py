@@ -116,24 +116,17 @@ def _linear_scan(g, coef, x, d: ScanDims, reverse: bool = False):
     # y_c = x_c + coef_c y_{c-1} (reverse: y_{c+1}) for all c, in ceil(log2 C) doubling steps
     # (Hillis-Steele): after the step of span k, (coef_c, y_c) compose the 2k chunks ending at
     # c: y_c += coef_c y_{c-k}, coef_c *= coef_{c-k}. coef <= 1 here: products only shrink.
-    # Each step's results pass through _kept: a compiler that fuses the whole chain into one
+    # Each step's results pass through g.kept: a compiler that fuses the whole chain into one
     # kernel recomputes every level twice per level above it (2^levels = C reads per output;
     # TVM did: 11 s of a 31 s one-layer CPU step at 8x1024).
     k = 1
     while k < d.n_chunks:
         y_prev = _shift(g, x, k, d, 0.0, reverse)
-        x = _kept(g, g.op("Add", x, g.op("Mul", coef, y_prev)))
+        x = g.kept(g.op("Add", x, g.op("Mul", coef, y_prev)))
         if 2 * k < d.n_chunks:
-            coef = _kept(g, g.op("Mul", coef, _shift(g, coef, k, d, 1.0, reverse)))
+            coef = g.kept(g.op("Mul", coef, _shift(g, coef, k, d, 1.0, reverse)))
         k *= 2
     return x
-
-
-def _kept(g, x):
-    """x unchanged, as a sum over a new axis of length 1: a reduction, which TVM's FuseOps
-    ends a kernel at (it fuses only elementwise ops after a reduction; the next step's
-    Pad/Slice are not), so x is written once instead of recomputed by every reader."""
-    return g.op("ReduceSum", _unsq(g, x, -1), g.ints(-1), keepdims=0)
 
 
 def _carry_forward(g, e_last, h_last, d: ScanDims):
