@@ -3,8 +3,8 @@ compiler/scan_units.py). The CPU kernels, compiled through lorac.compiler like a
 against: the units' ONNX bodies (the chunked graph path) run by onnxruntime; float64 central
 differences of the step-by-step recurrence; themselves in float64 (central differences of the
 compiled forward); bf16 inputs. Shapes with odd seq, seq not a multiple of the chunk, a
-single chunk, channels not a multiple of the CPU group, state 16, 8 and 4. The CUDA kernels:
-their warp reduction run on numpy lanes, and the CUDA build (nvcc) of a Mamba graph. The
+single chunk, channels not a multiple of the CPU group, state 16, 8 and 4; the aarch64 build.
+The CUDA kernels: their warp reduction run on numpy lanes, and the CUDA build (nvcc). The
 whole-model checks (compiled step vs onnxruntime and vs HF autograd) are in
 test_mamba_compile.py; the GPU run against the CPU artifact is test_cuda_mamba_matches_cpu."""
 from __future__ import annotations
@@ -169,19 +169,34 @@ def test_warp_butterfly_sums_every_value_once(n):
     np.testing.assert_allclose([got[k] for k in range(n)], vals.sum(1), rtol=1e-12, atol=1e-12)
 
 
-def test_cuda_build_maps_the_scan(tmp_path):
-    """A Mamba training graph for CUDA in both dtypes: the scan units become the CUDA kernels
-    (nvcc compiles them into the artifact's fatbin), no chunked-scan ops are left."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc")
-    from lorac.compiler import compile_graph
+def _small_mamba_graph():
     from lorac.graphs import ModelSpec, TrainSpec, build_training_graph
     from lorac.graphs.mamba_spec import MAMBA_TARGETS
 
     spec = ModelSpec.from_hf_config(dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=16,
                                          num_hidden_layers=2, expand=2, conv_kernel=4, tie_word_embeddings=True))
-    model = build_training_graph(spec, TrainSpec(batch=2, seq=21, rank=3, alpha=6, lora_targets=MAMBA_TARGETS,
-                                                 checkpointing=True, extra={"scan_chunk": 8}))
+    return build_training_graph(spec, TrainSpec(batch=2, seq=21, rank=3, alpha=6, lora_targets=MAMBA_TARGETS,
+                                                checkpointing=True, extra={"scan_chunk": 8}))
+
+
+def test_aarch64_build_maps_the_scan(tmp_path):
+    """The CPU kernels cross-compiled for 64-bit Arm (NEON lanes)."""
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        pytest.skip("needs aarch64-linux-gnu-gcc")
+    from lorac.compiler import compile_graph
+    art = compile_graph(_small_mamba_graph(), target="aarch64", out_dir=tmp_path / "arm")
+    assert json.loads((art / "manifest.json").read_text())["units"] == ["SelectiveScan", "SelectiveScanGrad"]
+    assert (art / "lib.so").read_bytes()[18] == 183  # ELF e_machine EM_AARCH64
+
+
+def test_cuda_build_maps_the_scan(tmp_path):
+    """A Mamba training graph for CUDA in both dtypes: the scan units become the CUDA kernels,
+    which nvcc compiles into the artifact's fatbin."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    from lorac.compiler import compile_graph
+
+    model = _small_mamba_graph()
     for dtype in ("float32", "bfloat16"):
         art = compile_graph(model, target={"kind": "cuda", "cuda_graph": True}, out_dir=tmp_path / dtype, dtype=dtype)
         m = json.loads((art / "manifest.json").read_text())
