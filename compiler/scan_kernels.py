@@ -34,7 +34,8 @@ vectorizes (libm's expf does not); its exponent is <= 0 here (dt > 0, A < 0).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+
+from lorac.graphs.scan import ScanDims
 
 CPU_GROUP = 16  # channels a CPU task advances together, one after another, at each step
 CPU_TASKS = 64  # parallel tasks of the CPU backward (each writes a partial of dBm, dCm)
@@ -42,33 +43,21 @@ WARP = 32
 _UNROLL = 4  # time steps per unrolled body on the GPU: lets the loads of later steps overlap
 
 
-@dataclass(frozen=True)
-class Dims:
-    batch: int
-    seq: int
-    channels: int  # I
-    state: int  # M
-    chunk: int  # L
+def cpu_group(d: ScanDims) -> int:
+    """G: channels a CPU task advances together at each step (G x M states <= 1 KB: stack)."""
+    return max(1, min(d.channels, 256 // d.state, CPU_GROUP))
 
-    @property
-    def n_chunks(self) -> int:
-        return -(-self.seq // self.chunk)
 
-    @property
-    def cpu_group(self) -> int:
-        """G: channels a CPU task advances together at each step (G x M states <= 1 KB: stack)."""
-        return max(1, min(self.channels, 256 // self.state, CPU_GROUP))
+def cpu_groups(d: ScanDims) -> int:
+    return -(-d.channels // cpu_group(d))
 
-    @property
-    def cpu_groups(self) -> int:
-        return -(-self.channels // self.cpu_group)
 
-    def groups(self, gpu: bool) -> int:
-        """P: the partial sums of dBm/dCm per batch row the backward writes: one per warp on
-        CUDA; on the CPU one per parallel task, about CPU_TASKS tasks in all."""
-        if gpu:
-            return -(-self.channels // WARP)
-        return max(1, min(self.cpu_groups, -(-CPU_TASKS // self.batch)))
+def partials(d: ScanDims, gpu: bool) -> int:
+    """P: the partial sums of dBm/dCm per batch row the backward writes: one per warp on
+    CUDA; on the CPU one per parallel task, about CPU_TASKS tasks in all."""
+    if gpu:
+        return -(-d.channels // WARP)
+    return max(1, min(cpu_groups(d), -(-CPU_TASKS // d.batch)))
 
 
 def accumulator(in_dtype: str) -> str:
@@ -106,10 +95,10 @@ def _exp_gpu(x, acc: str):
 class _Emit:
     """IRBuilder shorthands shared by the four kernels."""
 
-    def __init__(self, acc: str, gpu: bool):
+    def __init__(self, in_dtype: str, gpu: bool):
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
-        self.T, self.tirx, self.acc, self.gpu = T, tirx, acc, gpu
+        self.T, self.tirx, self.acc, self.gpu = T, tirx, accumulator(in_dtype), gpu
 
     def arg(self, name, shape, dtype):
         return self.T.arg(name, self.T.buffer(tuple(shape), dtype))
@@ -168,6 +157,34 @@ class _Emit:
                     self.store(b, b[k] + b[k + w], k)
 
 
+def _scan_inputs(e, d: ScanDims, in_dtype: str):
+    """Inside `T.prim_func()`: the function's attributes, then the six scan inputs as kernel
+    arguments: u, dt [B, S, I], A [I, M], Bm, Cm [B, S, M], D [I]."""
+    _prim_func()
+    B, S, I, M = d.batch, d.seq, d.channels, d.state
+    u, dt = e.arg("u", (B, S, I), in_dtype), e.arg("dt", (B, S, I), in_dtype)
+    A = e.arg("A", (I, M), e.acc)
+    Bm, Cm = e.arg("Bm", (B, S, M), in_dtype), e.arg("Cm", (B, S, M), in_dtype)
+    return u, dt, A, Bm, Cm, e.arg("D", (I,), e.acc)
+
+
+def _forward_args(e, d: ScanDims, in_dtype: str):
+    """The forward kernel's arguments: the inputs, then y [B, S, I] and hs [B, C, I, M]."""
+    B, S, I, M, C = d.batch, d.seq, d.channels, d.state, d.n_chunks
+    return (*_scan_inputs(e, d, in_dtype), e.arg("y", (B, S, I), e.acc), e.arg("hs", (B, C, I, M), e.acc))
+
+
+def _backward_args(e, d: ScanDims, in_dtype: str, P: int):
+    """The backward kernel's arguments: dy, the inputs, hs; then du, ddt [B, S, I] and the
+    dBm, dCm partials [B, P, S, M]."""
+    B, S, I, M, C = d.batch, d.seq, d.channels, d.state, d.n_chunks
+    dy = e.arg("dy", (B, S, I), in_dtype)
+    inputs = _scan_inputs(e, d, in_dtype)
+    hs = e.arg("hs", (B, C, I, M), e.acc)
+    return (dy, *inputs, hs, e.arg("du", (B, S, I), e.acc), e.arg("ddt", (B, S, I), e.acc),
+            e.arg("dBm_part", (B, P, S, M), e.acc), e.arg("dCm_part", (B, P, S, M), e.acc))
+
+
 def _prim_func():
     from tvm.script.ir_builder import tirx as T
     # scheduled here: DLight and lorac's CPU rules leave it alone; no aliasing between buffers.
@@ -176,7 +193,7 @@ def _prim_func():
 
 
 # -- CPU ----------------------------------------------------------------------------------
-def forward_cpu(d: Dims, in_dtype: str):
+def forward_cpu(d: ScanDims, in_dtype: str):
     """(u, dt, A, Bm, Cm, D) -> (y, hs). One parallel task per (b, group of G channels); the
     M states are the vector lanes; at each step the task advances its G channels one after
     another (G independent recurrences in flight, and u, dt, y read and written in runs of
@@ -185,17 +202,11 @@ def forward_cpu(d: Dims, in_dtype: str):
     from tvm.script.ir_builder import tirx as T
 
     B, S, I, M, L, C = d.batch, d.seq, d.channels, d.state, d.chunk, d.n_chunks
-    G, n_groups = d.cpu_group, d.cpu_groups
-    acc = accumulator(in_dtype)
-    e = _Emit(acc, gpu=False)
+    G, n_groups = cpu_group(d), cpu_groups(d)
+    e = _Emit(in_dtype, gpu=False)
     with IRBuilder() as ib:
         with T.prim_func():
-            _prim_func()
-            u, dt = e.arg("u", (B, S, I), in_dtype), e.arg("dt", (B, S, I), in_dtype)
-            A = e.arg("A", (I, M), acc)
-            Bm, Cm = e.arg("Bm", (B, S, M), in_dtype), e.arg("Cm", (B, S, M), in_dtype)
-            Dv = e.arg("D", (I,), acc)
-            y, hs = e.arg("y", (B, S, I), acc), e.arg("hs", (B, C, I, M), acc)
+            u, dt, A, Bm, Cm, Dv, y, hs = _forward_args(e, d, in_dtype)
             with T.parallel(0, B * n_groups) as bg:
                 b, i0 = bg // n_groups, bg % n_groups * G
                 h, a_i, p = e.local(G * M), e.local(G * M), e.local(M)
@@ -221,7 +232,7 @@ def forward_cpu(d: Dims, in_dtype: str):
     return ib.get()
 
 
-def backward_cpu(d: Dims, in_dtype: str):
+def backward_cpu(d: ScanDims, in_dtype: str):
     """(dy, u, dt, A, Bm, Cm, D, hs) -> (du, ddt, dBm partials, dCm partials [B, P, S, M]).
     One parallel task per (b, p): it walks its groups of G channels one after another, each
     group as in the forward (its G channels interleaved at every step), so at each step the
@@ -230,20 +241,12 @@ def backward_cpu(d: Dims, in_dtype: str):
     from tvm.script.ir_builder import tirx as T
 
     B, S, I, M, L, C = d.batch, d.seq, d.channels, d.state, d.chunk, d.n_chunks
-    G, n_groups, P = d.cpu_group, d.cpu_groups, d.groups(gpu=False)
+    G, n_groups, P = cpu_group(d), cpu_groups(d), partials(d, gpu=False)
     per_task = -(-n_groups // P)
-    acc = accumulator(in_dtype)
-    e = _Emit(acc, gpu=False)
+    e = _Emit(in_dtype, gpu=False)
     with IRBuilder() as ib:
         with T.prim_func():
-            _prim_func()
-            dy = e.arg("dy", (B, S, I), in_dtype)
-            u, dt = e.arg("u", (B, S, I), in_dtype), e.arg("dt", (B, S, I), in_dtype)
-            A = e.arg("A", (I, M), acc)
-            Bm, Cm = e.arg("Bm", (B, S, M), in_dtype), e.arg("Cm", (B, S, M), in_dtype)
-            Dv, hs = e.arg("D", (I,), acc), e.arg("hs", (B, C, I, M), acc)
-            du, ddt = e.arg("du", (B, S, I), acc), e.arg("ddt", (B, S, I), acc)
-            dBp, dCp = e.arg("dBm_part", (B, P, S, M), acc), e.arg("dCm_part", (B, P, S, M), acc)
+            dy, u, dt, A, Bm, Cm, Dv, hs, du, ddt, dBp, dCp = _backward_args(e, d, in_dtype, P)
             with T.parallel(0, B * P) as bp:
                 b, part = bp // P, bp % P
                 with T.serial(0, S) as t:
@@ -306,24 +309,18 @@ def backward_cpu(d: Dims, in_dtype: str):
 
 
 # -- CUDA -----------------------------------------------------------------------------------
-def forward_gpu(d: Dims, in_dtype: str):
+def forward_gpu(d: ScanDims, in_dtype: str):
     """(u, dt, A, Bm, Cm, D) -> (y, hs). One thread per (b, i), blocks of a warp's 32
     channels; the M states unrolled into registers; Bm_t, Cm_t are one address per warp."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     B, S, I, M, L, C = d.batch, d.seq, d.channels, d.state, d.chunk, d.n_chunks
-    P = d.groups(gpu=True)
-    acc = accumulator(in_dtype)
-    e = _Emit(acc, gpu=True)
+    P = partials(d, gpu=True)
+    e = _Emit(in_dtype, gpu=True)
     with IRBuilder() as ib:
         with T.prim_func():
-            _prim_func()
-            u, dt = e.arg("u", (B, S, I), in_dtype), e.arg("dt", (B, S, I), in_dtype)
-            A = e.arg("A", (I, M), acc)
-            Bm, Cm = e.arg("Bm", (B, S, M), in_dtype), e.arg("Cm", (B, S, M), in_dtype)
-            Dv = e.arg("D", (I,), acc)
-            y, hs = e.arg("y", (B, S, I), acc), e.arg("hs", (B, C, I, M), acc)
+            u, dt, A, Bm, Cm, Dv, y, hs = _forward_args(e, d, in_dtype)
             with T.launch_thread("blockIdx.x", B * P) as bx, T.launch_thread("threadIdx.x", WARP) as lane:
                 b, i = bx // P, bx % P * WARP + lane
                 with e.when(i < I, I % WARP != 0):
@@ -347,7 +344,7 @@ def forward_gpu(d: Dims, in_dtype: str):
     return ib.get()
 
 
-def backward_gpu(d: Dims, in_dtype: str):
+def backward_gpu(d: ScanDims, in_dtype: str):
     """(dy, u, dt, A, Bm, Cm, D, hs) -> (du, ddt, dBm partials, dCm partials [B, P, S, M]).
     One thread per (b, i) as in the forward; each warp reduces its 32 channels' dBm_t, dCm_t
     (2M values a step) with a butterfly reduce-scatter: at the shuffle of distance o every
@@ -359,22 +356,14 @@ def backward_gpu(d: Dims, in_dtype: str):
     from tvm.script.ir_builder import tirx as T
 
     B, S, I, M, L, C = d.batch, d.seq, d.channels, d.state, d.chunk, d.n_chunks
-    P = d.groups(gpu=True)
-    acc = accumulator(in_dtype)
-    e = _Emit(acc, gpu=True)
+    P = partials(d, gpu=True)
+    e = _Emit(in_dtype, gpu=True)
     NV = 1
     while NV < 2 * M:
         NV *= 2
     with IRBuilder() as ib:
         with T.prim_func():
-            _prim_func()
-            dy = e.arg("dy", (B, S, I), in_dtype)
-            u, dt = e.arg("u", (B, S, I), in_dtype), e.arg("dt", (B, S, I), in_dtype)
-            A = e.arg("A", (I, M), acc)
-            Bm, Cm = e.arg("Bm", (B, S, M), in_dtype), e.arg("Cm", (B, S, M), in_dtype)
-            Dv, hs = e.arg("D", (I,), acc), e.arg("hs", (B, C, I, M), acc)
-            du, ddt = e.arg("du", (B, S, I), acc), e.arg("ddt", (B, S, I), acc)
-            dBp, dCp = e.arg("dBm_part", (B, P, S, M), acc), e.arg("dCm_part", (B, P, S, M), acc)
+            dy, u, dt, A, Bm, Cm, Dv, hs, du, ddt, dBp, dCp = _backward_args(e, d, in_dtype, P)
             with T.launch_thread("blockIdx.x", B * P) as bx, T.launch_thread("threadIdx.x", WARP) as lane:
                 b, grp = bx // P, bx % P
                 i = grp * WARP + lane

@@ -29,13 +29,15 @@ def converters(gpu: bool, narrow: str | None = None) -> dict:
     of added kernels and one of narrowed values for the whole graph."""
     from tvm import relax
 
+    from lorac.graphs.scan import ScanDims
+
     from . import scan_kernels as sk
 
     kernels: dict = {}
     narrowed: dict = {}
     fwd_make, bwd_make = (sk.forward_gpu, sk.backward_gpu) if gpu else (sk.forward_cpu, sk.backward_cpu)
 
-    def kernel(bb, make, d: sk.Dims, dtype: str):
+    def kernel(bb, make, d: ScanDims, dtype: str):
         key = (make.__name__, d, dtype)
         if key not in kernels:
             kernels[key] = bb.add_func(make(d, dtype), f"lorac_{make.__name__}")
@@ -48,9 +50,9 @@ def converters(gpu: bool, narrow: str | None = None) -> dict:
             narrowed[x] = bb.emit(relax.op.astype(x, narrow))
         return narrowed[x]
 
-    def dims(u, A, attrs) -> sk.Dims:
+    def dims(u, A, attrs) -> ScanDims:
         B, S, I = _shape(u)
-        return sk.Dims(B, S, I, _shape(A)[1], int(attrs["chunk"]))
+        return ScanDims(B, S, I, _shape(A)[1], int(attrs["chunk"]))
 
     def forward(bb, inputs, attrs, _params):
         u, dt, A, Bm, Cm, D = inputs
@@ -67,7 +69,7 @@ def converters(gpu: bool, narrow: str | None = None) -> dict:
         d = dims(u, A, attrs)
         dy, u, dt, Bm, Cm = (activation(bb, x) for x in (dy, u, dt, Bm, Cm))
         acc = sk.accumulator(u.ty.dtype)
-        B, S, I, M, P = d.batch, d.seq, d.channels, d.state, d.groups(gpu)
+        B, S, I, M, P = d.batch, d.seq, d.channels, d.state, sk.partials(d, gpu)
         out = bb.emit(relax.call_tir(kernel(bb, bwd_make, d, u.ty.dtype), [dy, u, dt, A, Bm, Cm, D, hs], [
             relax.TensorType([B, S, I], acc), relax.TensorType([B, S, I], acc),
             relax.TensorType([B, P, S, M], acc), relax.TensorType([B, P, S, M], acc)]))
