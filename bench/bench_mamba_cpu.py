@@ -1,12 +1,16 @@
-"""lorac's CPU training step at the Mamba-130M shape (fp32, 2 threads), beside
-../shared/bench/peer_mamba_cpu.py (HF's plain PyTorch path + PEFT).
+"""lorac's CPU training step at the Mamba-130M shape (fp32, 2 threads), and in the same run
+../shared/bench/peer_mamba_cpu.py (HF's plain PyTorch path + PEFT) with the ratio.
 
     .venv/bin/python bench/bench_mamba_cpu.py [--layers 24] [--targets in_proj,x_proj,dt_proj] [--steps 3]
+        [--scan-chunk L] [--peer [PATH]]
 
 One step = the compiled training graph (loss + LoRA gradients) + the compiled LoRA+ AdamW
-update, as `lorac train` runs it (runtime.engine.Engine). Random weights: timing does not
-depend on their values. The first step (artifact load, weight upload) is not timed.
-Prints one JSON line: step_s, tok_s, compile_s (0 on a cache hit), load average.
+update, as `lorac train` runs it (runtime.engine.Engine), the scan chunk `lorac train` uses
+on the CPU unless --scan-chunk names one. Random weights: timing does not depend on their
+values. The first step (artifact load, weight upload) is not timed. Prints one JSON line:
+step_s (median), steps_s (each), tok_s, first step with compile, load average; with --peer,
+then runs the peer (2 threads; 1 untimed + 2 timed steps, 15-45 min on a 2-core host), prints
+its line and one with peer_s / lorac_s.
 """
 from __future__ import annotations
 
@@ -18,10 +22,14 @@ for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_N
     os.environ.setdefault(var, THREADS)  # before numpy / TVM start their pools
 
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+PEER = Path(__file__).resolve().parents[2] / "shared" / "bench" / "peer_mamba_cpu.py"  # ../shared from the repo
 MAMBA_130M = dict(model_type="mamba", vocab_size=50280, hidden_size=768, state_size=16, expand=2, conv_kernel=4,
                   num_hidden_layers=24, tie_word_embeddings=True)
 
@@ -54,16 +62,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
     ap.add_argument("--cache-dir", default=".lorac-cache")
-    ap.add_argument("--scan-chunk", type=int, default=None, help="scan chunk length (default: the graph's)")
+    ap.add_argument("--scan-chunk", type=int, default=None, help="scan chunk length (default: lorac train's for cpu)")
+    ap.add_argument("--peer", nargs="?", const=str(PEER), default=None, help=f"also run the peer (default {PEER})")
     args = ap.parse_args()
 
     from lorac.graphs import ModelSpec, TrainSpec
+    from lorac.graphs.mamba import DEVICE_CHUNK
     from lorac.runtime.engine import Engine
     from lorac.runtime.optim import LoraPlusConfig, group_lrs
     from lorac.runtime.train import init_lora
 
     spec = ModelSpec.from_hf_config({**MAMBA_130M, "num_hidden_layers": args.layers})
-    extra = {} if args.scan_chunk is None else {"scan_chunk": args.scan_chunk}
+    extra = {"scan_chunk": args.scan_chunk or DEVICE_CHUNK["cpu"]}
     train = TrainSpec(batch=args.batch, seq=args.seq, lora_targets=tuple(args.targets.split(",")), rank=16, alpha=32,
                       extra=extra)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, total_steps=args.steps + 1)
@@ -83,13 +93,25 @@ def main() -> None:
 
     step(1)  # also compiles the optimizer graph
     compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    losses = [step(t) for t in range(2, args.steps + 2)]
-    dt = (time.perf_counter() - t0) / args.steps
+    times, losses = [], []
+    for t in range(2, args.steps + 2):
+        t0 = time.perf_counter()
+        losses.append(step(t))
+        times.append(time.perf_counter() - t0)
+    dt = float(np.median(times))
     print(json.dumps(dict(run="lorac-mamba-cpu-fp32", name="mamba-130m-shape", layers=args.layers, targets=args.targets,
-                          B=args.batch, S=args.seq, threads=int(THREADS), step_s=round(dt, 2),
+                          B=args.batch, S=args.seq, threads=int(THREADS), scan_chunk=extra["scan_chunk"],
+                          step_s=round(dt, 2), steps_s=[round(x, 2) for x in times],
                           tok_s=round(args.batch * args.seq / dt, 1), first_step_incl_compile_s=round(compile_s, 1),
                           loss=round(losses[-1], 4), load=[round(x, 2) for x in os.getloadavg()])), flush=True)
+    if args.peer:
+        r = subprocess.run([sys.executable, args.peer, THREADS], capture_output=True, text=True)
+        peer = next((json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")), None)
+        if peer is None:
+            print(json.dumps(dict(peer=args.peer, error=(r.stderr.strip().splitlines() or ["?"])[-1][:300])), flush=True)
+            return
+        print(json.dumps({**peer, "load": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+        print(json.dumps(dict(ratio="peer_s / lorac_s", value=round(peer["step_s"] / dt, 1))), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@
     python3 bench/h200_vs_peers.py device CACHE [CASE ...]             # GPU machine, runtime-only TVM
         (PEER_TIMEOUT=seconds for each case's peers, default 420; NO_PEERS=1 runs lorac alone)
 
+Mamba cases (mamba*: HF Mamba shapes, LoRA on in/x/dt_proj as the PEFT peer, activation
+checkpointing, the scan on lorac's CUDA kernels) run their peers through
+bench/peer_mamba_gpu.py, one process per mode: `torch` (transformers' PyTorch path) and
+`mamba_ssm` (its CUDA kernels, where bench/h200_build_mamba_ssm.sh built them).
+
 A lorac step is what `lorac train` runs each step: the compiled training step (loss and every
 LoRA gradient, CUDA graphs, cuDNN attention), the loss read back to the host, then the LoRA+
 AdamW update with clipping (engine.update; its grad-norm read syncs again). Each case runs in
@@ -32,6 +37,11 @@ QWEN3_40M = dict(model_type="qwen3", vocab_size=32000, hidden_size=512, intermed
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
 QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1e6)
+MAMBA_130M = dict(model_type="mamba", vocab_size=50280, hidden_size=768, state_size=16, expand=2, conv_kernel=4,
+                  num_hidden_layers=24, tie_word_embeddings=True)
+MAMBA_370M = {**MAMBA_130M, "hidden_size": 1024, "num_hidden_layers": 48}  # state-spaces/mamba-370m-hf
+MAMBA_790M = {**MAMBA_130M, "hidden_size": 1536, "num_hidden_layers": 48}  # state-spaces/mamba-790m-hf
+MAMBA_TARGETS = ("in_proj", "x_proj", "dt_proj")  # what PEFT trains on HF's Mamba
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                  rope_theta=500000.0)
@@ -44,6 +54,9 @@ CASES = {
                   ["compile", "eager-gc"]),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
+    "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
+    "mamba370m-8x2048": (MAMBA_370M, "mamba", 8, 2048, {"checkpointing": True}, []),
+    "mamba790m-8x2048": (MAMBA_790M, "mamba", 8, 2048, {"checkpointing": True}, []),
 }
 PEAK = 790e12
 
@@ -53,15 +66,26 @@ def _engine(case: str, cache: str, weights=None):
     from lorac.runtime.engine import Engine
     from lorac.runtime.optim import LoraPlusConfig
 
+    from lorac.graphs.loss import auto_chunk
+    from lorac.graphs.mamba import DEVICE_CHUNK
+
     cfg, _, B, S, extra, _ = CASES[case]
     spec = ModelSpec.from_hf_config(cfg)
-    train = TrainSpec(batch=B, seq=S, lora_targets=tuple(ALL_TARGETS), rank=16, alpha=32, **extra)
+    kw = {"loss_chunk": auto_chunk(spec.vocab, B * S), **extra}  # `lorac train`'s CUDA default
+    targets = tuple(ALL_TARGETS)
+    if spec.arch == "mamba":
+        targets, kw["extra"] = MAMBA_TARGETS, {"scan_chunk": DEVICE_CHUNK["cuda"]}
+    train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, **kw)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, total_steps=100)
     eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True))
     return eng, spec, optim
 
 
 def model_flops(cfg: dict, B: int, S: int) -> float:
+    if cfg["model_type"] == "mamba":  # projections and head; the scan is ~1 % of it at these widths
+        D, L, V, M = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["state_size"]
+        I, R = 2 * D, -(-D // 16)
+        return 4.0 * (L * (D * 2 * I + I * (R + 2 * M) + R * I + I * D) + V * D) * B * S
     D, L, V, I = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["intermediate_size"]
     H, K, Dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     matmul = L * (D * H * Dh * 2 + D * K * Dh * 2 + 3 * D * I) + V * D
@@ -170,14 +194,20 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
         peers = []
         if os.environ.get("NO_PEERS"):
             modes = []
-        try:
-            if modes:
-                p = subprocess.run([sys.executable, str(HERE / "peer_lora_gpu.py"), peer_model, f"{B}x{S}", *modes],
-                                   capture_output=True, text=True, timeout=peer_timeout, cwd=HERE)
-                peers = _json_lines(p.stdout)
-        except subprocess.TimeoutExpired as e:
-            peers = _json_lines(e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
-            peers.append({"mode": "timeout", "error": f"peers past {peer_timeout} s"})
+        if peer_model == "mamba":  # one process per mode: the torch path hides mamba_ssm from transformers
+            commands = [(mode, ["peer_mamba_gpu.py", f"{B}x{S}", "2", mode, "--hidden", str(cfg["hidden_size"]),
+                                "--layers", str(cfg["num_hidden_layers"])]) for mode in modes]
+        else:
+            commands = [(",".join(modes), ["peer_lora_gpu.py", peer_model, f"{B}x{S}", *modes])] if modes else []
+        for label, cmd in commands:
+            try:
+                p = subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]], capture_output=True, text=True,
+                                   timeout=peer_timeout, cwd=HERE)
+                peers += _json_lines(p.stdout) or [{"mode": label, "error": (p.stderr.strip().splitlines()
+                                                                             or ["?"])[-1][:300]}]
+            except subprocess.TimeoutExpired as e:
+                peers += _json_lines(e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
+                peers.append({"mode": "timeout", "error": f"peers past {peer_timeout} s"})
         for x in peers:
             if "step_ms" in x:
                 x["mfu"] = round(model_flops(cfg, B, S) / (x["step_ms"] / 1e3) / PEAK, 3)

@@ -1,24 +1,52 @@
-"""Peer for lorac's Mamba-1 runs on a GPU: HF MambaForCausalLM (its plain PyTorch path; no
-mamba_ssm kernels) + PEFT LoRA r=16 on in_proj, x_proj, dt_proj (PEFT refuses out_proj),
-LoRA+ AdamW, bf16, random-init Mamba-130M shape. Usage: peer_mamba_gpu.py BxS [STEPS]."""
+"""Peer for lorac's Mamba-1 runs on a GPU: HF MambaForCausalLM + PEFT LoRA r=16 on in_proj, x_proj,
+dt_proj (PEFT refuses out_proj), LoRA+ AdamW, bf16, random-init Mamba-130M shape (or another
+width/depth). A step = forward with labels, backward, optimizer step, as lorac's full step.
+
+    peer_mamba_gpu.py BxS [STEPS [MODE]] [--hidden D --layers N]
+MODE: torch (default): transformers' plain PyTorch path, also where mamba_ssm is installed
+(this process hides it); mamba_ssm: transformers' CUDA-kernel path (mamba_ssm's fused
+mamba_inner_fn: selective scan and causal_conv1d kernels), an error line if mamba_ssm or
+causal_conv1d is not importable. On that path transformers hands mamba_inner_fn the x_proj,
+dt_proj and out_proj *weights*, so only in_proj's LoRA trains there.
+Prints one JSON line: step_ms, tok_s, peak_gb (max allocated), reserved_gb (and step_s)."""
+import argparse
+import importlib.util
 import json
 import sys
 
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import MambaConfig, MambaForCausalLM
+ap = argparse.ArgumentParser()
+ap.add_argument("shape")
+ap.add_argument("steps", nargs="?", type=int, default=2)
+ap.add_argument("mode", nargs="?", default="torch", choices=["torch", "mamba_ssm"])
+ap.add_argument("--hidden", type=int, default=768)
+ap.add_argument("--layers", type=int, default=24)
+a = ap.parse_args()
+B, S = map(int, a.shape.split("x"))
+row = dict(peer="hf-mamba+peft", mode=a.mode, B=B, S=S)
+if a.mode == "torch":
+    sys.modules["mamba_ssm"] = None  # transformers picks its kernels at import: hide them
+elif not all(importlib.util.find_spec(p) for p in ("mamba_ssm", "causal_conv1d")):
+    print(json.dumps({**row, "error": "mamba_ssm / causal_conv1d are not installed here"}), flush=True)
+    sys.exit(0)
 
-from peer_gpu_common import loraplus_adamw, train_step_seconds
+import torch  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import MambaConfig, MambaForCausalLM  # noqa: E402
 
-B, S = map(int, sys.argv[1].split("x"))
-steps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-torch.manual_seed(0)
-cfg = MambaConfig(vocab_size=50280, hidden_size=768, state_size=16, expand=2, conv_kernel=4, num_hidden_layers=24,
-                  tie_word_embeddings=True)
-m = get_peft_model(MambaForCausalLM(cfg).to("cuda", torch.bfloat16),
-                   LoraConfig(r=16, lora_alpha=32, target_modules=["in_proj", "x_proj", "dt_proj"]))
-opt = loraplus_adamw(m, 1e-4)
-ids = torch.randint(0, 50280, (B, S), device="cuda")
-dt = train_step_seconds(m, ids, opt, steps, warm=1)
-print(json.dumps(dict(peer="hf-mamba-torch-path+peft", B=B, S=S, step_s=round(dt, 3), tok_s=round(B * S / dt),
-                      peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 1))), flush=True)
+from peer_gpu_common import loraplus_adamw, train_step_seconds  # noqa: E402
+
+try:
+    torch.manual_seed(0)
+    cfg = MambaConfig(vocab_size=50280, hidden_size=a.hidden, state_size=16, expand=2, conv_kernel=4,
+                      num_hidden_layers=a.layers, tie_word_embeddings=True)
+    m = get_peft_model(MambaForCausalLM(cfg).to("cuda", torch.bfloat16),
+                       LoraConfig(r=16, lora_alpha=32, target_modules=["in_proj", "x_proj", "dt_proj"]))
+    opt = loraplus_adamw(m, 1e-4)
+    ids = torch.randint(0, 50280, (B, S), device="cuda")
+    dt = train_step_seconds(m, ids, opt, a.steps, warm=1)
+    row.update(step_ms=round(dt * 1e3, 1), step_s=round(dt, 3), tok_s=round(B * S / dt),
+               peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 1),
+               reserved_gb=round(torch.cuda.max_memory_reserved() / 1e9, 1))
+except Exception as e:  # out of memory, a kernel that does not build: one line, not a traceback
+    row["error"] = repr(e)[:300]
+print(json.dumps(row), flush=True)

@@ -21,6 +21,7 @@ import tvm  # noqa: F401 - only to locate the installed package
 
 from lorac.compiler import compile_graph
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
+from lorac.graphs.mamba import DEVICE_CHUNK
 from lorac.graphs.mamba_spec import MAMBA_TARGETS
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,6 +31,9 @@ QWEN3_40M = dict(arch="qwen3", vocab=32000, hidden=512, layers=8, heads=8, kv_he
                  intermediate=1408, qk_norm=True)
 QWEN3_06B = dict(arch="qwen3", vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
                  intermediate=3072, qk_norm=True, rope_theta=1e6)
+MAMBA_ODD = dict(model_type="mamba", vocab_size=1000, hidden_size=40, state_size=16, num_hidden_layers=2, expand=2,
+                 conv_kernel=4, tie_word_embeddings=True)
+MAMBA_S8 = {**MAMBA_ODD, "hidden_size": 24, "state_size": 8}
 BUILDS = [  # (name, model, B, S, dtype, target)
     ("40m", QWEN3_40M, 4, 256, "float32", "cpu"),
     ("40m", QWEN3_40M, 4, 256, "float32", "cuda"),
@@ -49,16 +53,30 @@ BUILDS = [  # (name, model, B, S, dtype, target)
     ("m2", {**MAMBA_130M, "num_hidden_layers": 2}, 4, 256, "float32", "cuda"),
     ("m2", {**MAMBA_130M, "num_hidden_layers": 2}, 4, 256, "bfloat16", "cuda"),
     ("mamba130m-ckpt", MAMBA_130M, 8, 1024, "bfloat16", "cuda"),
+    # the scan kernels at odd shapes (issue #13), checkpointed, scan chunk 16 (the CUDA default):
+    # 80 channels (two warps and a half one), seq 37 (a partial last chunk), state 16; and 48
+    # channels with state 8 (fewer sums than lanes in the warp reduction)
+    ("modd-ckpt", MAMBA_ODD, 2, 37, "float32", "cpu"),
+    ("modd-ckpt", MAMBA_ODD, 2, 37, "float32", "cuda"),
+    ("modd-ckpt", MAMBA_ODD, 2, 37, "bfloat16", "cuda"),
+    ("modd-ckpt", MAMBA_ODD, 2, 37, "bfloat16", "cuda-graph"),
+    ("m8-ckpt", MAMBA_S8, 3, 50, "float32", "cpu"),
+    ("m8-ckpt", MAMBA_S8, 3, 50, "float32", "cuda"),
+    ("m8-ckpt", MAMBA_S8, 3, 50, "bfloat16", "cuda"),
 ]
 
 
 def _graph(name: str, model: dict, B: int, S: int):
+    extra = {}
     if model.get("model_type") == "mamba":
-        targets = MAMBA_TARGETS if name == "m2" else ("in_proj", "x_proj", "dt_proj")
+        targets = ("in_proj", "x_proj", "dt_proj") if name == "mamba130m-ckpt" else MAMBA_TARGETS
         spec = ModelSpec.from_hf_config(model)
+        if name not in ("m2", "mamba130m-ckpt"):  # those keep the chunk of their earlier runs
+            extra["scan_chunk"] = DEVICE_CHUNK["cuda"]
     else:
         targets, spec = tuple(ALL_TARGETS), ModelSpec(**model)
-    train = TrainSpec(batch=B, seq=S, rank=16, alpha=32, lora_targets=targets, checkpointing=name.endswith("-ckpt"))
+    train = TrainSpec(batch=B, seq=S, rank=16, alpha=32, lora_targets=targets, checkpointing=name.endswith("-ckpt"),
+                      extra=extra)
     return build_training_graph(spec, train)
 
 

@@ -37,6 +37,11 @@ def prepare(mod):
     return cpu_prepare(mod)
 
 
+def native_units(dtype: str) -> dict:
+    from .target_cpu import native_units as cpu_units  # the same scan kernels, NEON lanes
+    return cpu_units(dtype)
+
+
 def relax_passes(target) -> list:
     from .target_cpu import relax_passes as cpu_passes
     return cpu_passes(target)

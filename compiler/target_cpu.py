@@ -22,6 +22,13 @@ def prepare(mod):
     return clip_takes(fast_math(mod))
 
 
+def native_units(dtype: str) -> dict:
+    """Mamba's selective scan units become lorac's own TIR kernels (scan_units.py); every
+    other unit is inlined."""
+    from .scan_units import converters
+    return converters(gpu=False)
+
+
 def tvm_target(request: dict):
     import tvm
     from tvm.target import codegen

@@ -9,7 +9,9 @@ each build the target decides, per unit name, one of two things:
 - map whole: the target's `native_units(dtype)` names a converter class for it; while
   the frontend runs, lorac's converters join its op table (`frontend_with`), and each
   call becomes a `call_dps_packed` of a runtime-registered function (as the GEMMs do),
-  e.g. cuDNN's fused attention on CUDA (compiler/attention_cudnn.py).
+  e.g. cuDNN's fused attention on CUDA (compiler/attention_cudnn.py), or a `call_tir` of
+  a TIR kernel lorac writes itself, e.g. Mamba's selective scan on the CPU and CUDA
+  (compiler/scan_units.py).
 
 The manifest lists the mapped units (`units`), so the runtime registers their functions
 before loading the library.
@@ -33,7 +35,13 @@ def split_units(model: onnx.ModelProto, native: dict) -> tuple[onnx.ModelProto, 
     return (dedupe_inlined(inlined) if len(mapped) < len(used) else inlined), mapped
 
 
-_INLINED = re.compile(r"__\d+$")  # onnx.inliner names each node of an inlined body <name>__<k>
+# onnx.inliner names each node of an inlined body <name>__<k>; body nodes are named
+# <unit>/<op>_<n> (GraphBuilder.call)
+_INLINED = re.compile(r"^(\w+)/.*__\d+$")
+# units whose inlined bodies never merge with others: the scan's backward recomputes its
+# forward's [B, C, L, L, I, M] decay block on purpose (kept from the forward it would cost L
+# times the states for every layer: docs/MAMBA.md)
+KEPT_APART = ("SelectiveScan", "SelectiveScanGrad")
 
 
 def dedupe_inlined(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -42,7 +50,8 @@ def dedupe_inlined(model: onnx.ModelProto) -> onnx.ModelProto:
     scores from the same q and k, and transposes q, k, v as the forward did: merged, the
     backward reads what the forward computed (as the CPU path did before attention became
     units: one q k^T GEMM a layer instead of two). Only inlined nodes merge, so a
-    checkpointed layer's recomputed forward (its own q and k) stays apart from the original."""
+    checkpointed layer's recomputed forward (its own q and k) stays apart from the original;
+    and none of the units in KEPT_APART."""
     seen: dict = {}
     rename: dict = {}
     keep = []
@@ -50,7 +59,8 @@ def dedupe_inlined(model: onnx.ModelProto) -> onnx.ModelProto:
         for i, name in enumerate(node.input):
             if name in rename:
                 node.input[i] = rename[name]
-        if not _INLINED.search(node.name):
+        unit = _INLINED.match(node.name)
+        if unit is None or unit.group(1) in KEPT_APART:
             keep.append(node)
             continue
         key = (node.domain, node.op_type, tuple(node.input),

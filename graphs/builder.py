@@ -82,27 +82,29 @@ class GraphBuilder:
         self.nodes.append(node)
         return node.outputs[0] if n_out == 1 else tuple(node.outputs)
 
-    def call(self, name: str, variant: str, inputs: list, n_out: int, body):
+    def call(self, name: str, variant: str, inputs: list, n_out: int, body, **attrs):
         """A unit: one node calling the local function (lorac, name), whose body
         `body(fb, *params) -> outputs` is emitted once with a FunctionBuilder. The checker
         and any ONNX runtime inline the body; a compiler may map the unit whole to a kernel
         of its own (lorac.compiler.units). `variant` names what the body bakes in (shapes,
         dtype; values that may vary are inputs): a graph holds one variant of each unit
-        (IR 9 has no function overloads)."""
+        (IR 9 has no function overloads). `attrs` (ints) travel on the call node for such
+        a compiler (the body has them baked in); the function declares them. The body's
+        nodes are named `<name>/...`, so inlined copies still say which unit they came from."""
         key = (DOMAIN, name)
         if key not in self.functions:
             fb = FunctionBuilder(name, self.np_float)
+            fb.scope = name
             params = [fb.param(f"in{i}") for i in range(len(inputs))]
             outs = body(fb, *params)
             outs = [outs] if isinstance(outs, ir.Value) else list(outs)
-            fb.scope = ""
             self.functions[key] = ir.Function(
-                DOMAIN, name, attributes=[],
+                DOMAIN, name, attributes=[_attr(k, v) for k, v in attrs.items()],
                 graph=ir.Graph(params, [fb.op("Identity", o) for o in outs], nodes=fb.nodes,
                                opset_imports={"": OPSET}, name=name, doc_string=variant))
         elif self.functions[key].doc_string != variant:
             raise ValueError(f"unit {name}: variant {variant} in a graph that already has {self.functions[key].doc_string}")
-        return self.op(name, *inputs, n_out=n_out, domain=DOMAIN)
+        return self.op(name, *inputs, n_out=n_out, domain=DOMAIN, **attrs)
 
     def output(self, value: ir.Value, name: str) -> ir.Value:
         """Expose `value` under `name`; an Identity keeps graph inputs and outputs distinct."""
@@ -139,6 +141,12 @@ class GraphBuilder:
 
     def reduce_mean(self, x, *axes: int, keepdims: int = 1):
         return self.op("ReduceMean", x, self.ints(*axes), keepdims=keepdims)
+
+    def kept(self, x):
+        """x unchanged, as a sum over a new axis of length 1: a reduction, which TVM's FuseOps
+        ends a kernel at (it fuses only elementwise ops after a reduction), so x is written
+        once instead of recomputed inside every reader it would fuse into."""
+        return self.op("ReduceSum", self.op("Unsqueeze", x, self.ints(-1)), self.ints(-1), keepdims=0)
 
     def slice(self, x, start: int, end: int, axis: int):
         return self.op("Slice", x, self.ints(start), self.ints(end), self.ints(axis))

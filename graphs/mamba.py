@@ -30,11 +30,14 @@ from .norm import rmsnorm_backward, rmsnorm_forward
 from .scan import ScanDims, scan_backward, scan_forward
 from .spec import TrainSpec
 
-DEFAULT_CHUNK = 4  # scan FLOPs and transient memory grow with L; fastest compiled CPU point (docs/MAMBA.md)
-# what the runtime picks per device when the user names no length: on the CPU, after the
-# prefix-sum and carry changes, L = 2 is faster than 4 (24-layer 130M step at 4x256: 15.4 s
-# against 20.4 s); the H200 numbers were measured at L = 4 (docs/MAMBA.md)
-DEVICE_CHUNK = {"cpu": 2, "cuda": 4}
+# the chunked body's FLOPs and transient memory grow with L: 4 was its fastest compiled CPU
+# point (docs/MAMBA.md); what targets that inline the scan units run
+DEFAULT_CHUNK = 4
+# what the runtime picks per device when the user names no length. The CPU and CUDA run the
+# scan on lorac's kernels (compiler/scan_kernels.py), where L is only how often the forward
+# saves the state (hs: B x S/L x I x M) and how many steps the backward recomputes at a
+# time (L x M values per channel in local memory); docs/MAMBA.md
+DEVICE_CHUNK = {"cpu": 32, "cuda": 16}
 _DEPTH = {"out_proj": 0, "dt_proj": 1, "x_proj": 2, "in_proj": 3}  # how far down a backward must reach
 
 
@@ -161,7 +164,10 @@ def layer_backward(c: Ctx, dy, L: MambaLayer, s: dict, need_dx: bool, grads: dic
     if depth < 3:
         return None
     du = g.op("Add", du, g.reshape(du2, B, S, I))
-    dxc = silu_backward(g, du, s["xc"], s["sig"])
+    # kept: the conv backward reads dxc at K shifts; fused, the silu backward and the sums
+    # before it were computed K times per output, and with the concat below both halves'
+    # chains for every element (19 ms of a layer's CPU backward at 4x256)
+    dxc = g.kept(silu_backward(g, du, s["xc"], s["sig"]))
     dxs = g.reshape(conv_backward(g, dxc, L.conv_w, S, I, sp.conv_kernel), N, I)
     dh = proj_back(g.op("Concat", dxs, dz, axis=1), s["h"], "in_proj", need_dx)
     if not need_dx:

@@ -116,24 +116,17 @@ def _linear_scan(g, coef, x, d: ScanDims, reverse: bool = False):
     # y_c = x_c + coef_c y_{c-1} (reverse: y_{c+1}) for all c, in ceil(log2 C) doubling steps
     # (Hillis-Steele): after the step of span k, (coef_c, y_c) compose the 2k chunks ending at
     # c: y_c += coef_c y_{c-k}, coef_c *= coef_{c-k}. coef <= 1 here: products only shrink.
-    # Each step's results pass through _kept: a compiler that fuses the whole chain into one
+    # Each step's results pass through g.kept: a compiler that fuses the whole chain into one
     # kernel recomputes every level twice per level above it (2^levels = C reads per output;
     # TVM did: 11 s of a 31 s one-layer CPU step at 8x1024).
     k = 1
     while k < d.n_chunks:
         y_prev = _shift(g, x, k, d, 0.0, reverse)
-        x = _kept(g, g.op("Add", x, g.op("Mul", coef, y_prev)))
+        x = g.kept(g.op("Add", x, g.op("Mul", coef, y_prev)))
         if 2 * k < d.n_chunks:
-            coef = _kept(g, g.op("Mul", coef, _shift(g, coef, k, d, 1.0, reverse)))
+            coef = g.kept(g.op("Mul", coef, _shift(g, coef, k, d, 1.0, reverse)))
         k *= 2
     return x
-
-
-def _kept(g, x):
-    """x unchanged, as a sum over a new axis of length 1: a reduction, which TVM's FuseOps
-    ends a kernel at (it fuses only elementwise ops after a reduction; the next step's
-    Pad/Slice are not), so x is written once instead of recomputed by every reader."""
-    return g.op("ReduceSum", _unsq(g, x, -1), g.ints(-1), keepdims=0)
 
 
 def _carry_forward(g, e_last, h_last, d: ScanDims):
@@ -149,8 +142,26 @@ def _carry_backward(g, dh0, e_last, d: ScanDims):
     return _shift(g, _linear_scan(g, e_last, dh0, d, reverse=True), 1, d, 0.0, True)
 
 
+def _variant(d: ScanDims, np_float) -> str:
+    return f"B={d.batch} S={d.seq} I={d.channels} M={d.state} L={d.chunk} {np.dtype(np_float).name}"
+
+
 def scan_forward(g, u, dt, A, Bm, Cm, D, d: ScanDims):
-    """-> (y [B, S, I], saved h0 [B, C, I, M])."""
+    """-> (y [B, S, I], saved h0 [B, C, I, M]: the state entering each chunk). The unit
+    lorac.SelectiveScan; its `chunk` attribute is L, for a compiler that maps it whole."""
+    return g.call("SelectiveScan", _variant(d, g.np_float), [u, dt, A, Bm, Cm, D], 2,
+                  lambda fb, *x: _forward_body(fb, *x, d), chunk=d.chunk)
+
+
+def scan_backward(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
+    """dy [B, S, I] -> (du, ddt [B, S, I], dBm, dCm [B, S, M]); A and D are frozen. The unit
+    lorac.SelectiveScanGrad."""
+    return g.call("SelectiveScanGrad", _variant(d, g.np_float), [dy, u, dt, A, Bm, Cm, D, h0], 4,
+                  lambda fb, *x: _backward_body(fb, *x, d), chunk=d.chunk)
+
+
+# -- the unit bodies (default-domain ONNX) ------------------------------------------------
+def _forward_body(g, u, dt, A, Bm, Cm, D, d: ScanDims):
     I, M = d.channels, d.state
     uc, dtc, Bc, Cc = _chunk(g, u, I, d), _chunk(g, dt, I, d), _chunk(g, Bm, M, d), _chunk(g, Cm, M, d)
     lam, _, _, _, hin = _intra(g, uc, dtc, A, Bc, d)
@@ -158,15 +169,11 @@ def scan_forward(g, u, dt, A, Bm, Cm, D, d: ScanDims):
     h0 = _carry_forward(g, _last(g, elam, d), _last(g, hin, d), d)
     h = g.op("Add", hin, g.op("Mul", elam, _unsq(g, h0, 2)))
     y = _unchunk(g, _sum(g, g.op("Mul", h, _unsq(g, Cc, 3)), -1), I, d)
-    if D is not None:
-        y = g.op("Add", y, g.op("Mul", u, D))
-    return y, h0
+    return g.op("Add", y, g.op("Mul", u, D)), h0
 
 
-def scan_backward(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
-    """dy [B, S, I] -> (du, ddt [B, S, I], dBm, dCm [B, S, M]); A and D are frozen.
-
-    With h = hin + hc, hc = exp(lam) h0:   dCm = sum_I dy h,  dh = dy Cm,
+def _backward_body(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
+    """With h = hin + hc, hc = exp(lam) h0:   dCm = sum_I dy h,  dh = dy Cm,
       dh0 (local) = sum_t dh exp(lam_t),   dlam += dh hc,
       chain: dhin_{L-1} += G_{c+1},        dlam_{L-1} += G_{c+1} E_c h0_c,
       hin_t = sum_s P_ts w_s, P_ts = exp(lam_t - lam_s):
@@ -200,6 +207,5 @@ def scan_backward(g, dy, u, dt, A, Bm, Cm, D, h0, d: ScanDims):
     dB = _sum(g, g.op("Mul", dw, _unsq(g, xb, -1)), 3)  # [B, C, L, M]
     ddt = g.op("Add", _sum(g, g.op("Mul", da, A), -1), g.op("Mul", dxb, uc))
     du = _unchunk(g, g.op("Mul", dxb, dtc), I, d)
-    if D is not None:
-        du = g.op("Add", du, g.op("Mul", dy, D))
+    du = g.op("Add", du, g.op("Mul", dy, D))
     return du, _unchunk(g, ddt, I, d), _unchunk(g, dB, M, d), _unchunk(g, dC, M, d)

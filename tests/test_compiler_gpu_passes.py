@@ -75,7 +75,7 @@ def test_bf16_keeps_recomputed_layers(make):
     from lorac.compiler.pipeline import import_onnx
     from lorac.compiler.precision import frozen_weights_to_bf16
 
-    mod, _, _ = import_onnx(make(True), target_cpu, "float32")  # every unit inlined
+    mod, _, _ = import_onnx(make(True), target_cpu, "float32")  # attention inlined, the scan its kernels
     before = _op_counts(mod)
     assert _op_counts(frozen_weights_to_bf16(mod)) == before
 
