@@ -53,12 +53,24 @@ def _extent(sch, loops) -> int:
     return total
 
 
+def _n_spatial(kinds: str) -> int:
+    return len(kinds) - len(kinds.lstrip("S"))
+
+
 def _spatial_then_reduced(kinds: str) -> bool:
-    n_s = len(kinds) - len(kinds.lstrip("S"))
-    return "R" in kinds and set(kinds[n_s:]) == {"R"}
+    return "R" in kinds and set(kinds[_n_spatial(kinds):]) == {"R"}
 
 
-class RowReduction(ScheduleRule):
+def _fused(sch, loops):
+    return sch.fuse(*loops) if len(loops) > 1 else loops[0]
+
+
+class _Rule(ScheduleRule):
+    def is_target_available(self, target) -> bool:
+        return True
+
+
+class RowReduction(_Rule):
     """Spatial axes fused across thread blocks, the reduced axes fused and split across 256
     threads: a cross-thread reduction with coalesced reads."""
 
@@ -67,21 +79,17 @@ class RowReduction(ScheduleRule):
         if got is None:
             return None
         sch, block, loops, kinds = got
-        n_s = len(kinds) - len(kinds.lstrip("S"))
+        n_s = _n_spatial(kinds)
         if _extent(sch, loops[n_s:]) < _MIN_EXTENT:  # short rows stay with the other rules
             return None
         if n_s:
-            sch.bind(sch.fuse(*loops[:n_s]) if n_s > 1 else loops[0], "blockIdx.x")
-        red = sch.fuse(*loops[n_s:]) if len(loops) - n_s > 1 else loops[n_s]
-        _, tx = sch.split(red, factors=[None, _THREADS])
+            sch.bind(_fused(sch, loops[:n_s]), "blockIdx.x")
+        _, tx = sch.split(_fused(sch, loops[n_s:]), factors=[None, _THREADS])
         sch.bind(tx, "threadIdx.x")
         return sch
 
-    def is_target_available(self, target) -> bool:
-        return True
 
-
-class WarpRowReduction(ScheduleRule):
+class WarpRowReduction(_Rule):
     """One warp per row of 32..4096 elements, 8 rows a block."""
 
     ROWS = 8
@@ -91,24 +99,19 @@ class WarpRowReduction(ScheduleRule):
         if got is None:
             return None
         sch, block, loops, kinds = got
-        n_s = len(kinds) - len(kinds.lstrip("S"))
+        n_s = _n_spatial(kinds)
         n_rows, length = _extent(sch, loops[:n_s]), _extent(sch, loops[n_s:])
         if not n_s or not 32 <= length <= 4096 or n_rows < self.ROWS:
             return None
-        rows = sch.fuse(*loops[:n_s]) if n_s > 1 else loops[0]
-        bx, ty = sch.split(rows, factors=[None, self.ROWS])
+        bx, ty = sch.split(_fused(sch, loops[:n_s]), factors=[None, self.ROWS])
         sch.bind(bx, "blockIdx.x")
         sch.bind(ty, "threadIdx.y")
-        red = sch.fuse(*loops[n_s:]) if len(loops) - n_s > 1 else loops[n_s]
-        _, tx = sch.split(red, factors=[None, 32])
+        _, tx = sch.split(_fused(sch, loops[n_s:]), factors=[None, 32])
         sch.bind(tx, "threadIdx.x")
         return sch
 
-    def is_target_available(self, target) -> bool:
-        return True
 
-
-class VectorizedElementwise(ScheduleRule):
+class VectorizedElementwise(_Rule):
     """All-spatial single block: [blocks, 128 threads, vector of 4 or 2 elements]."""
 
     THREADS = 128
@@ -124,12 +127,8 @@ class VectorizedElementwise(ScheduleRule):
         vec = next((v for v in (4, 2) if total and total % v == 0 and total >= v * self.THREADS), 0)
         if not vec:
             return None
-        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-        bx, tx, vx = sch.split(fused, factors=[None, self.THREADS, vec])
+        bx, tx, vx = sch.split(_fused(sch, loops), factors=[None, self.THREADS, vec])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         sch.vectorize(vx)
         return sch
-
-    def is_target_available(self, target) -> bool:
-        return True
