@@ -74,6 +74,7 @@ class Output:
         self.errors: list[str] = []
         self.exit_codes: list[int] = []
         self.exit_string = None
+        self.signalled = False  # this process passed a signal on to the workers
         self.lock = threading.Lock()
 
     def feed(self, line: str, dest) -> None:
@@ -110,8 +111,11 @@ def summary_line(out: Output, rc: int, n: int, cfg) -> str | None:
     if out.errors:
         return out.errors[0]
     culprits = [r for r, c in enumerate(out.exit_codes) if c and c < 128]
-    if rc == 0 or (not culprits and (out.exit_codes or rc >= 128)):
+    if rc == 0 or (out.exit_codes and not culprits) or (out.signalled and not out.exit_codes and rc >= 128):
         return None  # finished, or every worker stopped on a signal after a checkpoint (the summary says so)
+    if not culprits and out.exit_string is None:  # mpiexec itself failed, or another MPI's launcher
+        return f"lorac: error: mpiexec ended with exit status {rc} before the workers said why (see above). " \
+               f"{checkpoint_note(cfg.out)}"
     who = f"worker {culprits[0]} of {n}" if culprits else "a worker"
     how = out.exit_string or f"exit status {rc}"
     how = re.sub(r"^Killed \(signal (\d+)\)$", lambda m: f"killed by {signal.Signals(int(m.group(1))).name}", how)
@@ -131,7 +135,11 @@ def launch(cfg, argv: list[str]) -> int:
                             start_new_session=True, bufsize=1)
     out = Output()
     forward = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
-    previous = {s: signal.signal(s, lambda n, _f: proc.send_signal(forward[n])) for s in forward}
+
+    def pass_on(signum, _frame):
+        out.signalled = True
+        proc.send_signal(forward[signum])
+    previous = {s: signal.signal(s, pass_on) for s in forward}
     try:
         pumps = [out.pump(proc.stdout, sys.stdout), out.pump(proc.stderr, sys.stderr)]
         rc = proc.wait()

@@ -307,3 +307,5 @@ def test_launcher_turns_mpi_failure_reports_into_one_line(tmp_path):
     out = Output()  # Ctrl-C: every worker stopped after a checkpoint; rank 0's summary says so
     out.feed("[mpiexec@vm] Exit codes: [vm] 130,130\n", shown)
     assert summary_line(out, 130, 2, TrainConfig()) is None
+    line = summary_line(Output(), 255, 2, TrainConfig(out=str(tmp_path)))  # mpiexec failed, nothing parsed
+    assert line.startswith("lorac: error: mpiexec ended with exit status 255")
