@@ -196,7 +196,6 @@ def test_weighted_worker_gradients_sum_to_the_whole_batch_gradient(base):
     """The arithmetic of the all-reduce, in one process: the batch-4 step's loss and LoRA
     gradients against the two batch-2 steps of its halves, weighted by their counted tokens."""
     from lorac.runtime.distributed import shard_rows
-    from lorac.runtime.engine import to_numpy
     from lorac.runtime.train import Run, TrainConfig, init_lora
     kw = dict(model=str(base / "model"), data=str(base / "corpus.jsonl"), batch=4, seq=32,
               cache_dir=str(base / "cache"), targets=("q_proj", "v_proj", "down_proj"))
@@ -210,7 +209,7 @@ def test_weighted_worker_gradients_sum_to_the_whole_batch_gradient(base):
 
     def grads(run, b):
         out = run.engine.step(b, lora)
-        return out.pop("loss"), to_numpy(out)
+        return out.pop("loss"), run.engine.host(out)
     loss, ref = grads(whole, batch)
     total, got = 0.0, {}
     for r in range(2):
