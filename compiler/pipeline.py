@@ -38,7 +38,7 @@ from lorac.runtime.errors import LoracError
 from lorac.graphs.builder import DOMAIN
 
 from . import manifest as mf
-from .units import frontend_with, split_units
+from .units import anchor_outputs, frontend_with, split_units
 
 
 
@@ -143,9 +143,10 @@ def import_onnx(proto: onnx.ModelProto, tmod, dtype: str):
     native = tmod.native_units(dtype) if hasattr(tmod, "native_units") else {}
     proto, units = split_units(proto, native)
     check_supported_ops(proto, tuple(units))
+    anchored = anchor_outputs(onnx.ModelProto.FromString(proto.SerializeToString()))
     with warnings.catch_warnings(), frontend_with({u: native[u] for u in units}):
         warnings.simplefilter("ignore")  # one "Renaming name" warning per dotted input
-        mod = from_onnx(proto, keep_params_in_input=False)
+        mod = from_onnx(anchored, keep_params_in_input=False)
     calls = {json.dumps(c, sort_keys=True): c for u in units for c in getattr(native[u], "unit_calls", [])}
     return mod, units, list(calls.values())
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 
+import numpy as np
 import onnx
 
 from lorac.graphs.builder import DOMAIN, inline_units
@@ -94,3 +95,56 @@ def frontend_with(converters: dict):
         yield
     finally:
         onnx_frontend._get_convert_map = original
+
+
+
+def anchor_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each graph output written by a sum over a new axis of length one (the
+    value itself), placed right after the node that produces it (looking through Identity).
+
+    TVM's ONNX frontend binds a node's expression only when a later node reads it. A node
+    read only by the graph's outputs (a LoRA weight gradient dA = du^T x) was therefore
+    bound after the last node of the whole graph, and its inputs (the layer's [tokens,
+    features] activations) stayed alive until the end of the step: with checkpointing,
+    the static plan of a Llama-3-8B-shape step grew by five [8192, 14336] buffers a
+    layer (54.7 GB for 32 layers). Read by the sum, the producer is bound where it stands
+    (inside the CUDA graphs); the sum, bound at the end, writes the output: one small
+    kernel per output, outside the graphs as output writers are, where the GEMMs
+    themselves were before. (A multiplication by one would do, but TVM turns a kernel that
+    copies into a reshape, and the GEMM would write the output again.)"""
+    from onnx import TensorProto, helper, numpy_helper
+
+    by_output = {o: n for n in model.graph.node for o in n.output}
+    types = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
+    anchors: dict = {}  # producer's output name -> (anchor node, its output name)
+    for out in model.graph.output:
+        name, node = out.name, by_output.get(out.name)
+        if node is None or node.op_type != "Identity":  # lorac's graphs name outputs by Identity
+            continue
+        while node is not None and node.op_type == "Identity":
+            name = node.input[0]
+            node = by_output.get(name)
+        if node is None or name in anchors or types[out.name] not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+            continue
+        axis = numpy_helper.from_array(np.asarray([-1], np.int64), f"{name}__axis")
+        model.graph.initializer.append(axis)
+        anchors[name] = ([helper.make_node("Unsqueeze", [name, axis.name], [f"{name}__unsqueezed"]),
+                          helper.make_node("ReduceSum", [f"{name}__unsqueezed", axis.name], [f"{name}__anchored"],
+                                           keepdims=0)], f"{name}__anchored")
+    if not anchors:
+        return model
+    nodes = []
+    for node in model.graph.node:
+        for i, x in enumerate(node.input):
+            if node.op_type == "Identity" and x in anchors:
+                node.input[i] = anchors[x][1]
+        nodes.append(node)
+        for o in node.output:  # the Unsqueeze right after the producer, which it binds there
+            nodes.extend(anchors[o][0][:1] if o in anchors else [])
+    # the sums last, before the Identity nodes that name the outputs: one run of writers at the end
+    first_name = next((i for i, n in enumerate(nodes) if n.op_type == "Identity" and n.input[0].endswith("__anchored")),
+                      len(nodes))
+    nodes[first_name:first_name] = [a[0][1] for a in anchors.values()]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
