@@ -65,6 +65,15 @@ def _fused(sch, loops):
     return sch.fuse(*loops) if len(loops) > 1 else loops[0]
 
 
+def _reduction(func):
+    """(schedule, loops, number of spatial loops) of a one-block reduction, else None."""
+    got = _one_block(func, _spatial_then_reduced)
+    if got is None:
+        return None
+    sch, _, loops, kinds = got
+    return sch, loops, _n_spatial(kinds)
+
+
 class _Rule(ScheduleRule):
     def is_target_available(self, target) -> bool:
         return True
@@ -75,11 +84,10 @@ class RowReduction(_Rule):
     threads: a cross-thread reduction with coalesced reads."""
 
     def apply(self, func, target, _tunable):
-        got = _one_block(func, _spatial_then_reduced)
+        got = _reduction(func)
         if got is None:
             return None
-        sch, block, loops, kinds = got
-        n_s = _n_spatial(kinds)
+        sch, loops, n_s = got
         if _extent(sch, loops[n_s:]) < _MIN_EXTENT:  # short rows stay with the other rules
             return None
         if n_s:
@@ -95,11 +103,10 @@ class WarpRowReduction(_Rule):
     ROWS = 8
 
     def apply(self, func, target, _tunable):
-        got = _one_block(func, _spatial_then_reduced)
+        got = _reduction(func)
         if got is None:
             return None
-        sch, block, loops, kinds = got
-        n_s = _n_spatial(kinds)
+        sch, loops, n_s = got
         n_rows, length = _extent(sch, loops[:n_s]), _extent(sch, loops[n_s:])
         if not n_s or not 32 <= length <= 4096 or n_rows < self.ROWS:
             return None

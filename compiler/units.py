@@ -116,12 +116,14 @@ def anchor_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
 
     by_output = {o: n for n in model.graph.node for o in n.output}
     types = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
-    anchors: dict = {}  # producer's output name -> (anchor node, its output name)
+    anchors: dict = {}  # producer's output name -> ([Unsqueeze, ReduceSum], the sum's output)
+    naming = set()  # outputs of the Identity nodes on the way from an output to its producer
     for out in model.graph.output:
         name, node = out.name, by_output.get(out.name)
         if node is None or node.op_type != "Identity":  # lorac's graphs name outputs by Identity
             continue
         while node is not None and node.op_type == "Identity":
+            naming.add(node.output[0])
             name = node.input[0]
             node = by_output.get(name)
         if node is None or name in anchors or types[out.name] not in (TensorProto.FLOAT, TensorProto.DOUBLE):
@@ -133,18 +135,17 @@ def anchor_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
                                            keepdims=0)], f"{name}__anchored")
     if not anchors:
         return model
-    nodes = []
+    nodes, names = [], []
     for node in model.graph.node:
-        for i, x in enumerate(node.input):
-            if node.op_type == "Identity" and x in anchors:
-                node.input[i] = anchors[x][1]
+        if node.op_type == "Identity" and node.output[0] in naming:  # to the end, after the sums
+            if node.input[0] in anchors:
+                node.input[0] = anchors[node.input[0]][1]
+            names.append(node)
+            continue
         nodes.append(node)
         for o in node.output:  # the Unsqueeze right after the producer, which it binds there
             nodes.extend(anchors[o][0][:1] if o in anchors else [])
-    # the sums last, before the Identity nodes that name the outputs: one run of writers at the end
-    first_name = next((i for i, n in enumerate(nodes) if n.op_type == "Identity" and n.input[0].endswith("__anchored")),
-                      len(nodes))
-    nodes[first_name:first_name] = [a[0][1] for a in anchors.values()]
+    nodes += [a[0][1] for a in anchors.values()] + names
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     return model
