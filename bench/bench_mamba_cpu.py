@@ -108,7 +108,8 @@ def main() -> None:
         r = subprocess.run([sys.executable, args.peer, THREADS], capture_output=True, text=True)
         peer = next((json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")), None)
         if peer is None:
-            print(json.dumps(dict(peer=args.peer, error=(r.stderr.strip().splitlines() or ["?"])[-1][:300])), flush=True)
+            tail = [x for x in r.stderr.strip().splitlines() if "Warning" not in x and "falling back" not in x][-3:]
+            print(json.dumps(dict(peer=args.peer, returncode=r.returncode, error=" | ".join(tail)[-600:])), flush=True)
             return
         print(json.dumps({**peer, "load": [round(x, 2) for x in os.getloadavg()]}), flush=True)
         print(json.dumps(dict(ratio="peer_s / lorac_s", value=round(peer["step_s"] / dt, 1))), flush=True)
