@@ -99,8 +99,9 @@ def frontend_with(converters: dict):
 
 
 def anchor_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with each graph output written by a sum over a new axis of length one (the
-    value itself), placed right after the node that produces it (looking through Identity).
+    """`model` with each graph output written at the end by a sum over a new axis of length
+    one (the value itself), whose Unsqueeze reads the producer (looking through Identity)
+    right where the producer stands.
 
     TVM's ONNX frontend binds a node's expression only when a later node reads it. A node
     read only by the graph's outputs (a LoRA weight gradient dA = du^T x) was therefore
