@@ -44,7 +44,7 @@ TRAIN_HELP = {
                      "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)",
     "checkpointing": "recompute each layer's forward in the backward (less memory)",
     "loss_chunk": "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 logits fit 1.5 GiB)",
-    "scan_chunk": "Mamba scan chunk length (0: the device's default, 32 on cpu and 16 on cuda)", "eval_every": "steps between evals",
+    "scan_chunk": "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda)", "eval_every": "steps between evals",
     "eval_batches": "batches per eval (0: no eval)", "save_every": "steps between checkpoints",
     "keep_checkpoints": "checkpoints kept", "seed": "random seed (LoRA init and data order)",
     "resume": "continue from a checkpoint directory (or OUT/checkpoints)",
