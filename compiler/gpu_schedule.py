@@ -27,7 +27,7 @@ _MIN_EXTENT = 4 * _THREADS
 
 
 def _one_block(func, kinds_ok):
-    """(schedule, block, loops, kinds) of a PrimFunc that is a single block after inlining,
+    """(schedule, loops, kinds) of a PrimFunc that is a single block after inlining,
     whose iterator kinds pass `kinds_ok`, else None."""
     found = inlined_blocks(func)
     if found is None:
@@ -36,11 +36,10 @@ def _one_block(func, kinds_ok):
     if len(infos) != 1:
         return None
     kinds = infos[0].dom_kind()
-    block = infos[0].block_rv
-    loops = sch.get_loops(block)
+    loops = sch.get_loops(infos[0].block_rv)
     if len(loops) != len(kinds) or not kinds_ok(kinds):
         return None
-    return sch, block, loops, kinds
+    return sch, loops, kinds
 
 
 def _extent(sch, loops) -> int:
@@ -70,7 +69,7 @@ def _reduction(func):
     got = _one_block(func, _spatial_then_reduced)
     if got is None:
         return None
-    sch, _, loops, kinds = got
+    sch, loops, kinds = got
     return sch, loops, _n_spatial(kinds)
 
 
@@ -129,7 +128,7 @@ class VectorizedElementwise(_Rule):
         got = _one_block(func, lambda kinds: set(kinds) == {"S"})
         if got is None:
             return None
-        sch, block, loops, _ = got
+        sch, loops, _ = got
         total = _extent(sch, loops)
         vec = next((v for v in (4, 2) if total and total % v == 0 and total >= v * self.THREADS), 0)
         if not vec:
