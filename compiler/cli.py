@@ -58,16 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def compile_command(argv: list[str]) -> int:
+def compile_command(argv: list[str], note=None) -> int:
+    """Run `lorac compile ARGV`; `note(target)`: why this machine cannot run the artifact, or
+    None (the runtime's CLI passes its devices' answer: the compiler knows no devices)."""
     args = build_parser().parse_args(argv)
-    from lorac.runtime.errors import LoracError
+    from lorac.core.artifact_cache import build_lock
+    from lorac.core.errors import LoracError
 
     from .pipeline import compile_graph
     if args.cuda_graph and args.target != "cuda":
         print(f"lorac compile: error: --cuda-graph is for --target cuda, not {args.target}", file=sys.stderr)
         return 2
     target = {"kind": "cuda", "cuda_graph": True} if args.cuda_graph else args.target
-    from lorac.runtime.artifact_cache import build_lock
     try:
         with build_lock(args.out):  # one builder per artifact directory
             out = compile_graph(args.graph, target=target, out_dir=args.out, dtype=args.dtype,
@@ -76,8 +78,7 @@ def compile_command(argv: list[str]) -> int:
         print(f"lorac compile: error: {e}", file=sys.stderr)
         return 2
     if not args.quiet:
-        from lorac.runtime.devices import for_target
-        why = for_target(args.target).unavailable(args.target)
+        why = note(args.target) if note else None
         if why:  # it compiled, but this machine's runtime cannot run it
             print(f"lorac compile: note: target {args.target}: {why}", file=sys.stderr)
         print(out)

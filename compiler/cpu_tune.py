@@ -30,7 +30,7 @@ import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from lorac.runtime.errors import LoracError
+from lorac.core.errors import LoracError
 
 DATABASE = "cpu-tuning.json"
 _ATTR = "lorac_tuning_database"  # IRModule attribute: tune() -> ApplyTuned

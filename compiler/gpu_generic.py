@@ -58,6 +58,6 @@ def relax_passes(target) -> list:
 
 def compile_error(family: str, err: Exception):
     """Wrap a TVM build failure in one lorac error that names the target."""
-    from lorac.runtime.errors import LoracError
+    from lorac.core.errors import LoracError
     msg = str(err).strip().splitlines()
     return LoracError(f"TVM could not build for target {family}: {msg[-1] if msg else type(err).__name__}")

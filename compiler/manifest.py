@@ -4,7 +4,12 @@ An artifact directory holds the compiled library, optional device code, and this
 Fields (docs/COMPILER.md has the full table):
 
     format, format_version      "lorac-artifact", 2
-    lorac_version, tvm_version  who built it
+    graph_sha256, target, dtype, tune
+                                what was built: the BuildRequest (below); `target` here is
+                                {"family", "request", "device", "tvm"}, its request the key's
+    lorac_version, tvm_version, lorac_source
+                                who built it (lorac_source: sha256 of the source of lorac.core,
+                                lorac.graphs and lorac.compiler)
     graph_sha256                sha256 of the serialized source ONNX graph
     target                      {"family": "cpu"|"cuda"|..., "tvm": <tvm target dict>}
     dtype                       "float32" | "bfloat16" (compute dtype of frozen weights/GEMMs)
@@ -16,41 +21,38 @@ Fields (docs/COMPILER.md has the full table):
     files                       {file name: sha256} of every other file in the directory
     manifest_sha256             sha256 of this manifest without this field (its seal)
 
-The runtime verifies `files` and the seal before it loads anything (runtime/artifact_cache.py).
-The cache key of a build is (graph_sha256, target, dtype, lorac_version, tvm_version): any
-change rebuilds.
+The runtime verifies `files` and the seal before it loads anything (core/artifact_cache.py).
+The cache key of a build is every field of its BuildRequest (graph_sha256, target request,
+dtype, tune) plus the versions above (lorac.core.keys.versions): any change rebuilds.
 """
 from __future__ import annotations
 
 import json
-from importlib import metadata
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lorac.runtime import atomic, integrity
-from lorac.runtime.integrity import sha256_bytes  # noqa: F401 (pipeline's)
-from lorac.runtime.artifact_cache import FORMAT, SEAL, publish, read_manifest, staging_dir, verify  # noqa: F401
-from lorac.runtime.artifact_cache import MANIFEST as FILE
-from lorac.runtime.errors import LoracError
+from lorac.core import atomic, integrity
+from lorac.core.artifact_cache import FORMAT, SEAL, publish, read_manifest, staging_dir, verify  # noqa: F401
+from lorac.core.artifact_cache import MANIFEST as FILE
+from lorac.core.errors import LoracError
+from lorac.core.integrity import sha256_bytes  # noqa: F401 (pipeline's)
+from lorac.core.keys import tvm_version, versions  # noqa: F401 (pipeline's)
 
 FORMAT_VERSION = 2  # 2: files and manifest_sha256 (entries of version 1 are rebuilt)
 
 
-def lorac_version() -> str:
-    import lorac
-    return lorac.__version__
+@dataclass(frozen=True)
+class BuildRequest:
+    """What one compile_graph call builds: with `versions()`, its whole cache key."""
+    graph_sha256: str  # sha256 of the serialized source ONNX graph
+    target: dict  # the target request: {"kind": family, ...} (pipeline.resolve_target)
+    dtype: str  # compute dtype: "float32" | "bfloat16"
+    tune: int = 0  # MetaSchedule trials (cpu)
 
 
-def tvm_version() -> str:
-    # the installed distribution, read without importing tvm (the cache path stays fast)
-    try:
-        return metadata.version("apache-tvm")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def cache_key(graph_sha256: str, target: dict, dtype: str, tune: int = 0) -> dict:
-    return {"graph_sha256": graph_sha256, "target": target, "dtype": dtype, "tune": tune,
-            "lorac_version": lorac_version(), "tvm_version": tvm_version()}
+def cache_key(request: BuildRequest) -> dict:
+    """Every field of `request` and every version (a field added to either is keyed at once)."""
+    return {**asdict(request), **versions()}
 
 
 def write(art_dir: Path, manifest: dict) -> Path:

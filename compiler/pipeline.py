@@ -33,8 +33,9 @@ from pathlib import Path
 
 import onnx
 
-from lorac.runtime.errors import LoracError
-
+from lorac.core.constants import TARGET_ORDER
+from lorac.core.dtypes import COMPUTE_DTYPES
+from lorac.core.errors import LoracError
 from lorac.graphs.builder import DOMAIN
 
 from . import manifest as mf
@@ -44,16 +45,14 @@ from .units import anchor_outputs, frontend_with, split_units
 
 def _families() -> tuple[str, ...]:
     """The target families, one per target_<family>.py here (found by file name, so listing
-    them imports no target module and no TVM), in the runtime devices' listing order."""
-    from lorac.runtime.devices import targets
+    them imports no target module and no TVM), in lorac's listing order (core/constants.py)."""
     found = {p.stem[len("target_"):] for p in Path(__file__).parent.glob("target_*.py")} - {"common"}
-    order = targets()
-    return tuple(sorted(found, key=lambda f: (order.index(f) if f in order else len(order), f)))
+    return tuple(sorted(found, key=lambda f: (TARGET_ORDER.index(f) if f in TARGET_ORDER else len(TARGET_ORDER), f)))
 
 
 FAMILIES = _families()
 _LLVM_FAMILIES = ("cpu", "aarch64")  # TVM kind "llvm"; every other family is its own TVM kind
-DTYPES = ("float32", "bfloat16")
+DTYPES = COMPUTE_DTYPES
 _ISOLATED = "LORAC_ISOLATED_BUILD"  # set in the child process of an isolated build
 
 
@@ -235,7 +234,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         raise LoracError(f"target {family} supports dtype {', '.join(tmod.DTYPES)}, not {dtype}")
     proto, sha = _load_onnx(model)
     art_dir = Path(out_dir) if out_dir is not None else Path("artifacts") / f"{sha[:12]}-{family}-{dtype}"
-    key = mf.cache_key(sha, request, dtype, int(tune))
+    key = mf.cache_key(mf.BuildRequest(sha, request, dtype, int(tune)))
     if not force and mf.matches(mf.read(art_dir), key, art_dir):
         return art_dir
 
@@ -292,7 +291,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         "compile_seconds": {"import": round(t_import, 3), "build": round(t_build, 3),
                             "export": round(time.perf_counter() - t0 - t_import - t_build, 3)},
     }
-    mf.write(stage, manifest)  # with the sha256 of every file, sealed (runtime/artifact_cache.py)
+    mf.write(stage, manifest)  # with the sha256 of every file, sealed (core/artifact_cache.py)
     mf.publish(stage, art_dir)
     if verbose:
         print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "

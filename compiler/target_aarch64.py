@@ -26,7 +26,7 @@ def tvm_target(request: dict):
 
 
 def check_environment(request: dict) -> None:
-    from lorac.runtime.errors import LoracError
+    from lorac.core.errors import LoracError
     if shutil.which(LINKER) is None:
         raise LoracError(f"target aarch64 needs the cross linker {LINKER} "
                          "(Debian/Ubuntu: apt-get install gcc-aarch64-linux-gnu)")

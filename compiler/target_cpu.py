@@ -45,7 +45,7 @@ def check_environment(request: dict) -> None:
     import shutil
     import sys
 
-    from lorac.runtime.errors import LoracError
+    from lorac.core.errors import LoracError
 
     if sys.platform == "win32":
         if not shutil.which(os.environ.get("TVM_WIN_CC", "clang")):

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from lorac.runtime.errors import LoracError
+from lorac.core.errors import LoracError
 
 FAMILY = "cuda"
 DEVICE = "cuda"

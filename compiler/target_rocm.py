@@ -41,7 +41,7 @@ def _rocm_root() -> str | None:
 
 
 def check_environment(request: dict) -> None:
-    from lorac.runtime.errors import LoracError
+    from lorac.core.errors import LoracError
     missing = []
     if not any(shutil.which(n) for n in ["ld.lld"] + [f"ld.lld-{v}" for v in range(20, 13, -1)]):
         missing.append("ld.lld (package lld)")

@@ -26,7 +26,7 @@ def check_environment(request: dict) -> None:
     import tvm  # noqa: F401 - registers the code generators this TVM was built with
     import tvm_ffi
 
-    from lorac.runtime.errors import LoracError
+    from lorac.core.errors import LoracError
     if tvm_ffi.get_global_func("target.build.vulkan", allow_missing=True) is None:
         raise LoracError(f"target vulkan: this TVM ({tvm.__version__}) has no Vulkan code generator "
                          "(target.build.vulkan; no apache-tvm wheel has one); build TVM with USE_VULKAN=ON")

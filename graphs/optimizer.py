@@ -7,7 +7,8 @@ Outputs per bucket k: k.param.new, k.m.new, k.v.new
 
 Learning rates and the 1-based step count are inputs, so a schedule never recompiles;
 betas, eps, weight decay and max_grad_norm are baked in as constants. The math is the
-numpy reference's (lorac.runtime.optim, the test oracle):
+numpy reference's (lorac.runtime.optim, the test oracle; both take the LoRA+ group rule
+from lorac.core.loraplus):
     norm = sqrt(sum_n sum(g_n^2));  ok = norm is finite
     c    = min(1, max_grad_norm / (norm + 1e-6))          (c = 1 without clipping)
     m'   = b1 m + (1-b1) c g;  v' = b2 v + (1-b2) (c g)^2
@@ -29,14 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from lorac.core.loraplus import decays, group_of
+
 from .builder import GraphBuilder
-
-
-def _ndim_rules():
-    # the parameter-group rules live with the numpy reference; import lazily so that
-    # lorac.graphs does not need lorac.runtime at import time
-    from lorac.runtime.optim import decays, group_of
-    return group_of, decays
 
 
 @dataclass
@@ -56,7 +52,6 @@ class Bucket:
 
 
 def buckets(shapes: dict[str, tuple[int, ...]]) -> list[Bucket]:
-    group_of, decays = _ndim_rules()
     out: dict[str, Bucket] = {}
     for name, shape in shapes.items():
         grp, dec = group_of(name, len(shape)), decays(name, len(shape))
@@ -80,7 +75,9 @@ def unpack(bks: list[Bucket], flats: dict) -> dict[str, np.ndarray]:
 
 
 def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.ModelProto:
-    """LoRA+ AdamW over the tensors in `shapes` (name -> shape), settings from a LoraPlusConfig.
+    """LoRA+ AdamW over the tensors in `shapes` (name -> shape); `cfg` gives the constants baked
+    in (betas, eps, weight_decay, max_grad_norm: lorac.core.loraplus.AdamWConstants, or a
+    runtime LoraPlusConfig, which has them too).
 
     Inputs: per bucket `<key>.param`, `<key>.grad`, `<key>.m`, `<key>.v` (flat [size]);
     `lr_a`, `lr_b`, `step`. Outputs: `<key>.param.new`, `<key>.m.new`, `<key>.v.new`,

@@ -10,7 +10,7 @@ compiler left as calls are registered here (runtime/gemm.py); the device's modul
 (runtime/devices/) readies the TVM runtime for the artifact. Inputs and outputs use
 the ONNX graph's names (the frontend renamed dotted names; the manifest maps them back).
 Every mismatch between the artifact and the call raises one LoracError naming it, and an
-artifact whose files do not match its sealed manifest is never loaded (artifact_cache.py).
+artifact whose files do not match its sealed manifest is never loaded (core/artifact_cache.py).
 """
 from __future__ import annotations
 
@@ -19,15 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from . import devices
-from .artifact_cache import load_library_bytes, read_manifest, verify
+from lorac.core.artifact_cache import load_library_bytes, read_manifest, verify
+from lorac.core.dtypes import as_dtype as _np_dtype
 from .errors import LoracError
-
-
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 class Step:
@@ -157,7 +151,7 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
     art_dir = Path(art_dir)
     m = read_manifest(art_dir)
     # an artifact is code: every file is checked against the sealed manifest before any of it
-    # runs, and the library is loaded from the very bytes that were checked (artifact_cache.py)
+    # runs, and the library is loaded from the very bytes that were checked (core/artifact_cache.py)
     lib_bytes = verify(art_dir, m, read=m.get("library"))
     target = m.get("target", {})
     if target.get("device") != device:

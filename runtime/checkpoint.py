@@ -5,7 +5,7 @@ Layout of a run's checkpoint root (usually OUT/checkpoints):
     ckpt-000100/optim.safetensors   "<name>.m" and "<name>.v" (float32)
     ckpt-000100/state.json          step, RNG state, data position, configs, hashes, versions,
                                     the sha256 of both safetensors files, and `state_sha256`,
-                                    the seal over all of state.json (integrity.py)
+                                    the seal over all of state.json (core/integrity.py)
     latest                          one line: the directory name of the newest checkpoint
 
 Crash safety (kill -9 at any instant leaves the previous checkpoint loadable): a checkpoint
@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from . import atomic, integrity
+from lorac.core import atomic, integrity
 from .errors import LoracError
 
 FORMAT = "lorac-checkpoint-2"  # 2: state.json sealed (state_sha256)

@@ -10,68 +10,31 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from . import devices
 from .errors import LoracError
 from .export_onnx import GRAPHS
 from .files import respect_umask
-from .train import ALL_TARGETS, TrainConfig
+from lorac.core.settings import help_of
 
-TRAIN_HELP = {
-    "model": "HF model directory, .gguf file, or hub id ORG/NAME (ORG/NAME:Q4_K_M for a GGUF repo; the local HF "
-             "cache first) (default: the bundled SmolLM2-135M-Instruct)",
-    "data": "training data: .txt, .jsonl/.json (text, prompt/completion, chat messages, alpaca, sharegpt), "
-            ".parquet/.arrow, a dataset folder, or a hub dataset ORG/NAME[:SPLIT] (default: the bundled "
-            "Jargon File Q&A corpus)",
-    "eval_data": "held-out data file (default: every 1/eval-fraction-th document of --data)",
-    "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
-    "steps": "optimizer steps", "batch": "sequences per micro-batch; with --gpus N, of all workers together (--per-device-train-batch-size: "
-             "per worker, as in TRL)", "seq": "tokens per sequence",
-    "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
-    "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
-               "in_proj,x_proj,dt_proj,out_proj for Mamba)",
-    "trained_layers": "adapt only layers A:B, or the layers i,j,k (no backward below the first)",
-    "lr": "learning rate of the LoRA A matrices", "loraplus_ratio": "LoRA+ ratio: lr(B) = ratio * lr(A)",
-    "warmup": "linear warmup steps (then cosine decay to lr/10)", "weight_decay": "AdamW decoupled weight decay",
-    "max_grad_norm": "global gradient-norm clip (<= 0: off)", "grad_accum": "micro-batches per optimizer step",
-    "target": f"where to train: {', '.join(devices.targets())} (runtime/devices/; docs/TARGETS.md: a target whose "
-              "runtime this machine lacks is refused at once, and --compile-only builds for any)",
-    "dtype": "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend ort: float32)",
-    "backend": "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install 'lorac[ort]')",
-    "ort_providers": "--backend ort: comma-separated onnxruntime execution providers, e.g. "
-                     "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)",
-    "checkpointing": "recompute each layer's forward in the backward (less memory)",
-    "loss_chunk": "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 logits fit 1.5 GiB)",
-    "scan_chunk": "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda)", "eval_every": "steps between evals",
-    "eval_batches": "batches per eval (0: no eval)", "save_every": "steps between checkpoints",
-    "keep_checkpoints": "checkpoints kept", "seed": "random seed (LoRA init and data order)",
-    "resume": "continue from a checkpoint directory (or OUT/checkpoints)",
-    "adapter": "start from this PEFT adapter directory (its rank, alpha, targets and layers replace "
-               "--rank, --alpha, --targets, --trained-layers)",
-    "cache_dir": "compiled-artifact cache", "eval_fraction": "share of documents held out for eval",
-    "sample_prompt": "prompt for the before/after sample (default: one from the eval data)",
-    "sample_tokens": "tokens generated for the sample (0: no sample)",
-    "no_cuda_graph": "cuda: run the training step as plain VM calls instead of CUDA graphs "
-                     "(graphs cut the host's work per step from ~15,000 calls to a few hundred)",
-    "progress": "auto (a bar on a terminal, a line per step elsewhere), bar or lines",
-    "report_to": "none, or tensorboard (scalars to OUT/runs; pip install 'lorac[tensorboard]')",
-    "gpus": "data-parallel workers on this host: N processes through mpiexec, one per GPU with --target cuda "
-            "(CPU processes with --target cpu); --batch is the global batch, split over them; several hosts: "
-            "docs/DISTRIBUTED.md (pip install 'lorac[distributed]')",
-    "dist_timeout": "seconds a worker waits for the others in a collective before the run stops with an error",
-    "compile_only": "compile every graph of the run for --target into --cache-dir and stop; copy the "
-                    "cache to the machine that trains (it needs no compiler then)",
-}
-
+from .train import TrainConfig
 
 # the spellings of TRL's SFTConfig / transformers' TrainingArguments and PEFT's LoraConfig, as
 # aliases (any flag may also be written with underscores: --learning_rate)
+DEFAULTS = TrainConfig()  # the defaults of every command's shared settings (eval, generate, export)
+
+
+def _saved_targets(tcfg: dict):
+    """A checkpoint's LoRA targets (`targets` in checkpoints written before the rename)."""
+    return tcfg.get("lora_targets") or tcfg.get("targets")
+
+
 ALIASES = {"lr": "--learning-rate", "steps": "--max-steps", "rank": "--lora-r", "alpha": "--lora-alpha",
            "rslora": "--use-rslora", "seq": "--max-seq-length", "batch": "--per-device-train-batch-size",
            "grad_accum": "--gradient-accumulation-steps", "out": "--output-dir", "warmup": "--warmup-steps",
-           "targets": "--target-modules", "eval_every": "--eval-steps", "save_every": "--save-steps",
+           "lora_targets": "--target-modules", "eval_every": "--eval-steps", "save_every": "--save-steps",
            "keep_checkpoints": "--save-total-limit"}
 
 
@@ -84,19 +47,23 @@ class _BatchSpelling(argparse.Action):
         namespace.batch_per_device = option_string == ALIASES["batch"]
 
 
+def flag_of(f) -> str:
+    """A TrainConfig field's flag: its name with dashes, unless the field names another."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, help text and default from the field itself."""
     p.add_argument("--config", help="TOML file with defaults for any of these flags")
-    defaults = TrainConfig()
     for f in fields(TrainConfig):
         if f.name == "extra":
             continue
-        flag = "--" + f.name.replace("_", "-")
-        flags = [flag] + ([ALIASES[f.name]] if f.name in ALIASES else [])
-        default = getattr(defaults, f.name)
-        help_ = TRAIN_HELP.get(f.name, "")
+        flags = [flag_of(f)] + ([ALIASES[f.name]] if f.name in ALIASES else [])
+        default = f.default if f.default is not MISSING else None
+        help_ = f.metadata.get("help", "")
         if isinstance(default, bool):
             p.add_argument(*flags, dest=f.name, action="store_true", default=None, help=help_)
-        elif f.name in ("targets", "trained_layers"):
+        elif f.name in ("lora_targets", "trained_layers"):
             p.add_argument(*flags, dest=f.name, default=None, help=help_)
         else:
             kind = type(default) if default is not None else str
@@ -106,9 +73,10 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _field(key: str) -> str:
-    """A TOML key (flag name or alias, dashes or underscores) -> its TrainConfig field."""
+    """A TOML key (field, flag name or alias, dashes or underscores) -> its TrainConfig field."""
     flag = "--" + key.replace("_", "-")
-    return next((name for name, alias in ALIASES.items() if alias == flag), key.replace("-", "_"))
+    by_flag = {flag_of(f): f.name for f in fields(TrainConfig)} | {alias: name for name, alias in ALIASES.items()}
+    return by_flag.get(flag, key.replace("-", "_"))
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -133,10 +101,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
-    if isinstance(values.get("targets"), str):
-        values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
-    elif isinstance(values.get("targets"), list):
-        values["targets"] = tuple(values["targets"])
+    if isinstance(values.get("lora_targets"), str):
+        values["lora_targets"] = tuple(t.strip() for t in values["lora_targets"].split(",") if t.strip())
+    elif isinstance(values.get("lora_targets"), list):
+        values["lora_targets"] = tuple(values["lora_targets"])
     if per_device and isinstance(values.get("batch"), int):  # TRL's meaning: rows per worker
         from .distributed import requested_workers
         values["batch"] *= requested_workers(values.get("gpus", 0))
@@ -148,7 +116,7 @@ def _check_types(values: dict, where: str) -> None:
     defaults = TrainConfig()
     for key, v in values.items():
         d = getattr(defaults, key)
-        if key == "targets":
+        if key == "lora_targets":
             ok, kind = isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v)), \
                 "a string or a list of strings"
         elif isinstance(d, bool):
@@ -194,14 +162,14 @@ def _engine_from_checkpoint(args):
     source = resolve_model(args.model or tcfg.get("model"))
     config, weights, tok = source.load()
     spec = ModelSpec.from_hf_config(config)
-    seq = args.seq or tcfg.get("seq", 128)
+    seq = args.seq or tcfg.get("seq", DEFAULTS.seq)
     from . import limits
     limits.check_context(seq, config, "--seq")
     if getattr(args, "window", None):
         limits.check_context(args.window, config, "--window")
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
-                      lora_targets=tuple(tcfg.get("targets") or spec.targets), rank=tcfg.get("rank", 1),
+                      lora_targets=tuple(_saved_targets(tcfg) or spec.targets), rank=tcfg.get("rank", 1),
                       alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
     eng = make_engine(args.backend, spec, train, weights, args.target, None, args.cache_dir,
                       log=lambda m: print(m, file=sys.stderr), providers=args.ort_providers)
@@ -286,11 +254,11 @@ def _export_onnx(args) -> int:
     tcfg = load_checkpoint(args.checkpoint).state.get("train_config", {}) if args.checkpoint else {}
     config = resolve_model(args.model or tcfg.get("model")).config()
     spec = ModelSpec.from_hf_config(config)
-    targets = args.targets.split(",") if args.targets else tcfg.get("targets") or spec.targets
+    targets = args.targets.split(",") if args.targets else _saved_targets(tcfg) or spec.targets
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
-    train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", 128),
-                      lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", 16),
-                      alpha=args.alpha or tcfg.get("alpha", 32.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
+    train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", DEFAULTS.seq),
+                      lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", DEFAULTS.rank),
+                      alpha=args.alpha or tcfg.get("alpha", DEFAULTS.alpha), rslora=tcfg.get("rslora", False), trained_layers=layers)
     path = export_onnx(args.out, config, train, args.graph)
     respect_umask(path)
     print(f"exported the {args.graph} graph ({train.batch}x{train.seq}, rank {train.rank}) to {path}")
@@ -299,7 +267,7 @@ def _export_onnx(args) -> int:
 
 def cmd_compile(argv) -> int:
     from lorac.compiler.cli import compile_command
-    return compile_command(argv)
+    return compile_command(argv, note=lambda target: devices.for_target(target).unavailable(target))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -316,10 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         q = sub.add_parser(name, help=helptext, description=helptext)
         q.add_argument("--checkpoint", help="checkpoint directory (or OUT/checkpoints); omit for the base model")
         q.add_argument("--model", help="model (default: the one the checkpoint was trained on)")
-        q.add_argument("--target", default="cpu", help=f"{', '.join(devices.targets())} (default: cpu)")
-        q.add_argument("--backend", default="tvm", choices=("tvm", "ort"), help=TRAIN_HELP["backend"])
-        q.add_argument("--ort-providers", help=TRAIN_HELP["ort_providers"])
-        q.add_argument("--cache-dir", default=".lorac-cache", help="compiled-artifact cache")
+        q.add_argument("--target", default=DEFAULTS.target,
+                       help=f"{', '.join(devices.targets())} (default: {DEFAULTS.target})")
+        q.add_argument("--backend", default="tvm", choices=("tvm", "ort"), help=help_of(TrainConfig, "backend"))
+        q.add_argument("--ort-providers", help=help_of(TrainConfig, "ort_providers"))
+        q.add_argument("--cache-dir", default=DEFAULTS.cache_dir,
+                       help=f"{help_of(TrainConfig, 'cache_dir')} (default: {DEFAULTS.cache_dir})")
         q.add_argument("--batch", type=int, default=None, help="batch (default: the checkpoint's)")
         q.add_argument("--seq", type=int, default=None, help="sequence length (default: the checkpoint's)")
         if name == "eval":
@@ -355,9 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--graph", choices=GRAPHS, default="train", help="train (loss and LoRA gradients), eval (loss) or "
                    "forward (logits); default: train")
     g.add_argument("--batch", type=int, help="sequences per batch (default: 1)")
-    g.add_argument("--seq", type=int, help="tokens per sequence (default: 128)")
-    g.add_argument("--rank", type=int, help="LoRA rank (default: 16)")
-    g.add_argument("--alpha", type=float, help="LoRA alpha (default: 32)")
+    g.add_argument("--seq", type=int, help=f"tokens per sequence (default: {DEFAULTS.seq})")
+    g.add_argument("--rank", type=int, help=f"LoRA rank (default: {DEFAULTS.rank})")
+    g.add_argument("--alpha", type=float, help=f"LoRA alpha (default: {DEFAULTS.alpha:g})")
     g.add_argument("--targets", help="comma-separated LoRA targets (default: every linear layer)")
     q.set_defaults(func=cmd_export)
     return ap

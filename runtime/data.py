@@ -442,7 +442,7 @@ def _temp_folder():
     """(folder, lock): a fresh lorac-data-* folder in the temp dir, locked while in use. Folders
     whose lock is free are removed first: their process died (kill -9, a crash). A new folder
     is locked before it appears under that name, so a live one is never taken for dead."""
-    from . import locks
+    from lorac.core import locks
     for old in glob.glob(os.path.join(tempfile.gettempdir(), glob.escape(TEMP_PREFIX) + "*")):
         try:
             if not os.path.exists(os.path.join(old, ".lock")):  # made by a lorac without these locks:

@@ -2,19 +2,21 @@
 
     eng = Engine(spec, train, weights, target="cpu", cache_dir=".lorac-cache")   # TVM artifacts
     eng = make_engine("ort", spec, train, weights, providers="CPUExecutionProvider")  # onnxruntime
-    out = eng.step(batch, lora)           # loss + LoRA grads (device tensors)
-    new = eng.update(lora, grads, m, v, lr_a, lr_b, t)
-    eng.eval_loss(batch, lora); eng.logits(ids, lora)
+    eng.set_state(lora, m, v)             # LoRA tensors and AdamW moments, onto the device
+    out = eng.step(batch, eng.lora)       # loss + LoRA grads (device tensors)
+    grad_norm, skipped = eng.update(out, lr_a, lr_b, t)   # one LoRA+ AdamW step, in place
+    eng.eval_loss(batch, eng.lora); eng.logits(ids, eng.lora); lora, m, v = eng.state_numpy()
 
 Each graph (training step, eval loss, optimizer, forward) is emitted by lorac.graphs and
-compiled once per (graph hash, target, dtype): a second run, or a resumed one, reuses the
-artifact from the cache folder without importing the compiler. Frozen weights are uploaded
+compiled once per (graph key, target, dtype): a second run, or a resumed one, reuses the
+artifact from the cache folder without importing the compiler. A graph's key is a digest of
+everything it is emitted from, whole (graph_key: every field of the specs, the optimizer's
+baked constants, lorac's version and the source of core, graphs and compiler). Frozen weights are uploaded
 once and passed to every call as device tensors. The onnxruntime backend (engine_ort.py)
 runs the same graphs behind the same methods (Graphs holds what both share).
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from dataclasses import replace
@@ -22,39 +24,29 @@ from pathlib import Path
 
 import numpy as np
 
-from . import artifact_cache, devices
+from lorac.core import artifact_cache
+from lorac.core.keys import digest, versions
+from lorac.core.loraplus import AdamWConstants
+
+from . import devices
 from .artifact import load_artifact
 from .errors import LoracError
 
 
-def _graphs_digest() -> bytes:
-    """sha256 over the source of lorac.graphs and lorac.compiler: any change to an emitter or
-    to the compiler changes every key (found without importing the compiler or TVM)."""
-    import importlib.util
-    h = hashlib.sha256()
-    for pkg in ("lorac.graphs", "lorac.compiler"):
-        for folder in importlib.util.find_spec(pkg).submodule_search_locations:
-            for f in sorted(Path(folder).glob("*.py")):
-                h.update(f.name.encode() + f.read_bytes())
-    return h.digest()
-
-
 def graph_key(kind: str, *parts) -> str:
-    """Identity of a graph from what it is emitted from (emitter source + specs), so a cached
-    artifact is found without re-emitting the graph, on any machine with the same sources
-    (the runtime-only GPU machine has neither the compiler nor lorac's onnx pin)."""
-    h = hashlib.sha256(_graphs_digest() + kind.encode())
-    for p in parts:
-        h.update(repr(p).encode())
-        extra = getattr(p, "extra", None)
-        if extra:  # TrainSpec leaves `extra` (the Mamba scan chunk, say) out of its repr
-            h.update(repr(sorted(extra.items())).encode())
-    return h.hexdigest()
+    """Identity of a graph from what it is emitted from: `kind`, every field of each spec in
+    `parts` (lorac.core.keys.canonical: fields out of a dataclass's repr count too), lorac's
+    version and the source of core, graphs and compiler. A cached artifact is found without
+    re-emitting the graph, on any machine with the same sources (the runtime-only GPU machine
+    has neither the compiler nor lorac's onnx pin). TVM's version is not part of it: the
+    artifact is compiled once and may run under another TVM runtime that loads it."""
+    v = versions()
+    return digest(kind, v["lorac_version"], v["lorac_source"], *parts)
 
 
 def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None, cuda_graph: bool = False):
     """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss.
-    An entry that fails verification (artifact_cache.py) is rebuilt; one builder per entry at a
+    An entry that fails verification (core/artifact_cache.py) is rebuilt; one builder per entry at a
     time (others wait for it and then find it built). cuda_graph: build with CUDA graphs
     (inputs bound: compiler/target_cuda.binds_inputs)."""
     art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}-{key[:16]}"
@@ -109,10 +101,9 @@ class Graphs:
         if kind in ("train", "eval"):
             emit = build_training_graph if kind == "train" else build_eval_graph
             return (lambda: emit(self.spec, self.train)), (self.spec, self.train), self.dtype
-        if kind == "adamw":  # lr and step are inputs; only these settings are baked into the graph
-            c = self.optim_cfg
-            return ((lambda: build_optimizer_graph(self.shapes, c)),
-                    (self.shapes, tuple(c.betas), c.eps, c.weight_decay, c.max_grad_norm), "float32")
+        if kind == "adamw":  # lr and step are inputs; the graph is built from its key's constants alone
+            c = AdamWConstants.of(self.optim_cfg)
+            return (lambda: build_optimizer_graph(self.shapes, c)), (self.shapes, c), "float32"
         b, s = (int(x) for x in kind.split(":")[1].split(","))
         t = self.train
         fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,

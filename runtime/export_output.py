@@ -19,7 +19,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from . import atomic
+from lorac.core import atomic
 from .errors import LoracError
 
 

@@ -23,30 +23,45 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lorac.core.loraplus import decays, group_of  # noqa: F401 (the rule's home is core; callers import it here too)
+
+from lorac.core.settings import setting
+
 from .errors import LoracError
+
+# The settings the runtime passes to the compiled optimizer as inputs on every step (the
+# schedule): changing them never recompiles. Every other field of LoraPlusConfig is baked
+# into the graph (lorac.core.loraplus.AdamWConstants, part of its cache key).
+SCHEDULE_FIELDS = ("lr", "loraplus_ratio", "warmup_steps", "total_steps", "min_lr_ratio")
 
 
 @dataclass
 class LoraPlusConfig:
-    # 1e-4 for A: LoRA's usual 2e-4 halved, as the LoRA+ authors (and PEFT's docstring)
-    # advise when B runs `loraplus_ratio` times faster.
-    lr: float = 1e-4
+    """The optimizer's settings, defaults and reasons: the one source of these defaults
+    (TrainConfig's --lr, --loraplus-ratio, --warmup, --weight-decay and --max-grad-norm take
+    theirs from here, core/settings.like)."""
+    # 2e-4: LoRA's most common rate (QLoRA's for 7B-13B models), for the A matrices; B moves
+    # loraplus_ratio times faster. The LoRA+ authors (and PEFT's docstring) advise a lower
+    # rate when the ratio is large: halve it for long runs whose loss spikes.
+    lr: float = setting(2e-4, "learning rate of the LoRA A matrices; B gets lr * loraplus_ratio")
     # ratio lr_B / lr_A; 16 is the LoRA+ paper's and PEFT's recommended default.
-    loraplus_ratio: float = 16.0
+    loraplus_ratio: float = setting(16.0, "LoRA+ ratio: lr(B) = ratio * lr(A)")
     # (0.9, 0.999) and 1e-8 are torch.optim.AdamW's and HF TrainingArguments' defaults.
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas (b1, b2)")
+    eps: float = setting(1e-8, "AdamW epsilon")
     # 0.0 as PEFT's create_loraplus_optimizer (loraplus_weight_decay) and HF Trainer: LoRA
     # matrices are small and regularised by their rank already; torch's 0.01 is for dense nets.
-    weight_decay: float = 0.0
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay (not on 1-D tensors)")
     # 1.0 is HF Trainer's default; <= 0 disables clipping (the norm is still computed).
-    max_grad_norm: float = 1.0
-    # linear warmup from lr/warmup_steps up to lr over the first warmup_steps updates
-    warmup_steps: int = 0
-    # cosine decay from lr at warmup_steps to min_lr_ratio*lr at total_steps (then flat)
-    total_steps: int = 1000
+    max_grad_norm: float = setting(1.0, "global gradient-norm clip (<= 0: off)")
+    # 4 steps of linear warmup from lr/4: Adam's first updates are sign-like (about lr per
+    # element whatever the gradient), so the first steps move B off zero more gently.
+    warmup_steps: int = setting(4, "linear warmup steps (then cosine decay to lr * min_lr_ratio)")
+    # cosine decay from lr at warmup_steps to min_lr_ratio*lr at total_steps (then flat);
+    # the training loop sets it to --steps
+    total_steps: int = setting(1000, "end of the cosine decay")
     # nanoGPT decays to lr/10 ("min_lr should be ~= learning_rate/10 per Chinchilla")
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = setting(0.1, "the cosine's floor, as a fraction of lr")
 
     def __post_init__(self):
         for key in ("lr", "loraplus_ratio", "eps", "weight_decay", "max_grad_norm", "min_lr_ratio"):
@@ -81,20 +96,8 @@ def group_lrs(step: int, cfg: LoraPlusConfig) -> tuple[float, float]:
     return lr, lr * cfg.loraplus_ratio
 
 
-# -- parameter groups --------------------------------------------------------------------
-def group_of(name: str, ndim: int = 2) -> str:
-    """'B' for lora_B matrices and any 1-D tensor, else 'A'.
-
-    This is PEFT's create_loraplus_optimizer rule (`"lora_B" in name or param.ndim == 1`):
-    1-D trainables (biases, norms) share B's learning rate. PEFT's separate embedding group
-    (LoRA on nn.Embedding, lr 1e-6) does not arise: lorac adapts linear layers only.
-    """
-    return "B" if ("lora_B" in name or ndim == 1) else "A"
-
-
-def decays(name: str, ndim: int = 2) -> bool:
-    """Whether weight decay applies: PEFT puts 1-D tensors (norms, biases) in a no-decay group."""
-    return ndim >= 2 and "bias" not in name
+# parameter groups: group_of and decays, PEFT's LoRA+ rule, are imported above from lorac.core
+# (the optimizer graph asks the same two functions)
 
 
 # -- clipping ----------------------------------------------------------------------------

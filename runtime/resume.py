@@ -3,7 +3,8 @@
 - the model: its config *and* its weights (weights.fingerprint), checked by load_checkpoint;
 - the training data: the sha256 of the packed training token stream (data.PackedData.digest),
   so another file, tokenizer or split is refused;
-- the optimizer settings that shape the trajectory (MUST_MATCH), refused when they differ;
+- the optimizer settings that shape the trajectory (TrainConfig's fields marked optimizer=True),
+  refused when they differ;
 - the learning-rate schedule: warmup + cosine over the steps the run was started with. A
   resumed run with a longer --steps holds the schedule's final lr past its end instead of
   stretching the cosine (which would make the lr jump back up);
@@ -15,16 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import atomic
+from lorac.core import atomic
 from .errors import LoracError
-
-MUST_MATCH = ("lr", "loraplus_ratio", "warmup", "weight_decay", "max_grad_norm")
-
 
 def check(ck, cfg, data_digest: str) -> None:
     """Refuse to resume checkpoint `ck` with other training data or optimizer settings."""
+    from .train import TrainConfig
     saved = ck.state.get("train_config") or {}
-    for key in MUST_MATCH:
+    for key in TrainConfig.optimizer_settings():
         old, new = saved.get(key), getattr(cfg, key)
         if old is not None and old != new:
             flag = "--" + key.replace("_", "-")

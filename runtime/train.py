@@ -11,63 +11,112 @@ import math
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-from lorac.graphs.spec import ALL_TARGETS  # noqa: F401 - the CLI's help lists them
+from lorac.core.constants import CACHE_DIR
+from lorac.core.settings import like, setting
+from lorac.graphs.spec import ALL_TARGETS
 
+from . import devices
 from .errors import LoracError
 from .files import respect_umask
+from .optim import LoraPlusConfig
 from .report import Report, compile_all
+
+CPU = "cpu"  # the default --target: every machine has one
 
 
 @dataclass
 class TrainConfig:
-    model: str | None = None  # HF directory or .gguf file; None: the bundled SmolLM2-135M-Instruct
-    data: str | None = None  # text / JSONL / chat JSONL; None: the bundled Jargon File Q&A corpus
-    eval_data: str | None = None  # held-out file; None: every 1/eval_fraction-th document of --data
-    out: str = "lorac-out"
-    steps: int = 40
-    batch: int = 4
-    seq: int = 128
-    rank: int = 16
-    alpha: float = 32.0  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
-    rslora: bool = False
-    targets: tuple[str, ...] | None = None  # None: every linear layer of the family (QLoRA/LoRA+ practice)
-    trained_layers: str | None = None  # "A:B" adapts layers A..B-1 only (frozen prefix below A)
-    lr: float = 2e-4  # lr of the A matrices; B gets lr * loraplus_ratio
-    loraplus_ratio: float = 16.0
-    warmup: int = 4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    grad_accum: int = 1
-    target: str = "cpu"
-    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
-    backend: str = "tvm"  # "ort": the same graphs on onnxruntime (engine_ort.py)
-    ort_providers: str | None = None  # --backend ort: None: the device's default providers
-    checkpointing: bool = False
-    loss_chunk: int = 0
-    scan_chunk: int = 0  # Mamba only; 0: the device's default (graphs/mamba.py DEVICE_CHUNK)
-    eval_every: int = 10
-    eval_batches: int = 4
-    save_every: int = 20
-    keep_checkpoints: int = 2
-    seed: int = 0
-    resume: str | None = None
-    adapter: str | None = None  # PEFT adapter to start from; its rank/alpha/targets/layers replace ours
-    cache_dir: str = ".lorac-cache"
-    eval_fraction: float = 0.05
-    sample_prompt: str | None = None  # generated before/after training; None: one from the eval data
-    sample_tokens: int = 32
-    compile_only: bool = False  # fill the artifact cache for --target and stop (no device needed)
-    no_cuda_graph: bool = False  # cuda: run the training step as plain VM calls, not CUDA graphs
-    progress: str = "auto"  # a bar on a terminal, a line per step elsewhere (report.py)
-    report_to: str = "none"  # "tensorboard": scalars to OUT/runs too
-    gpus: int = 0  # data-parallel workers launched on this host (runtime/launch.py); 0: one, or the MPI job's
-    dist_timeout: float = 600.0  # seconds a worker waits for the others in a collective (torch's NCCL default)
-    extra: dict = field(default_factory=dict)
+    """Every setting of `lorac train`, one field each: its default, its reason (a comment) and
+    its help line live here and nowhere else (the CLI makes one flag per field, --help shows
+    the defaults; the optimizer's fields come from LoraPlusConfig, runtime/optim.py)."""
+    model: str | None = setting(
+        None, "HF model directory, .gguf file, or hub id ORG/NAME (ORG/NAME:Q4_K_M for a GGUF repo; the local HF "
+        "cache first) (default: the bundled SmolLM2-135M-Instruct)")
+    data: str | None = setting(
+        None, "training data: .txt, .jsonl/.json (text, prompt/completion, chat messages, alpaca, sharegpt), "
+        ".parquet/.arrow, a dataset folder, or a hub dataset ORG/NAME[:SPLIT] (default: the bundled Jargon File "
+        "Q&A corpus)")
+    eval_data: str | None = setting(None, "held-out data file (default: every 1/eval-fraction-th document of --data)")
+    out: str = setting("lorac-out", "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked "
+                       "while a run writes there)")
+    # 40 steps of 4x128 tokens: the bundled demo shows its loss fall in a few minutes on a laptop CPU
+    steps: int = setting(40, "optimizer steps")
+    batch: int = setting(4, "sequences per micro-batch; with --gpus N, of all workers together "
+                         "(--per-device-train-batch-size: per worker, as in TRL)")
+    seq: int = setting(128, "tokens per sequence")
+    rank: int = setting(16, "LoRA rank r")
+    alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
+    rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
+    # None: every linear layer of the family (QLoRA/LoRA+ practice). Named lora_targets (as
+    # TrainSpec's) so it is not one letter from `target`, the device; the flag stays --targets
+    lora_targets: tuple[str, ...] | None = setting(
+        None, f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
+        "in_proj,x_proj,dt_proj,out_proj for Mamba)", flag="--targets")
+    trained_layers: str | None = setting(None, "adapt only layers A:B, or the layers i,j,k (no backward below the "
+                                         "first)")  # "A:B": layers A..B-1 only (frozen prefix below A)
+    lr: float = like(LoraPlusConfig, "lr", optimizer=True)
+    loraplus_ratio: float = like(LoraPlusConfig, "loraplus_ratio", optimizer=True)
+    warmup: int = like(LoraPlusConfig, "warmup_steps", optimizer=True)
+    weight_decay: float = like(LoraPlusConfig, "weight_decay", optimizer=True)
+    max_grad_norm: float = like(LoraPlusConfig, "max_grad_norm", optimizer=True)
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    target: str = setting(CPU, f"where to train: {', '.join(devices.targets())} (runtime/devices/; docs/TARGETS.md: "
+                          "a target whose runtime this machine lacks is refused at once, and --compile-only builds "
+                          "for any)")
+    dtype: str | None = setting(None, "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend "
+                                "ort: float32)")
+    backend: str = setting("tvm", "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install "
+                           "'lorac[ort]')")  # "ort": engine_ort.py
+    ort_providers: str | None = setting(
+        None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
+        "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
+    checkpointing: bool = setting(False, "recompute each layer's forward in the backward (less memory)")
+    loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
+                              "logits fit 1.5 GiB)")
+    scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
+                              "graphs/mamba.py DEVICE_CHUNK)")
+    eval_every: int = setting(10, "steps between evals")
+    eval_batches: int = setting(4, "batches per eval (0: no eval)")
+    save_every: int = setting(20, "steps between checkpoints")
+    keep_checkpoints: int = setting(2, "checkpoints kept")
+    seed: int = setting(0, "random seed (LoRA init and data order)")
+    resume: str | None = setting(None, "continue from a checkpoint directory (or OUT/checkpoints)")
+    adapter: str | None = setting(None, "start from this PEFT adapter directory (its rank, alpha, targets and "
+                                  "layers replace --rank, --alpha, --targets, --trained-layers)")
+    cache_dir: str = setting(CACHE_DIR, "compiled-artifact cache")
+    eval_fraction: float = setting(0.05, "share of documents held out for eval")
+    sample_prompt: str | None = setting(None, "prompt for the before/after sample (default: one from the eval data)")
+    sample_tokens: int = setting(32, "tokens generated for the sample (0: no sample)")
+    compile_only: bool = setting(False, "compile every graph of the run for --target into --cache-dir and stop; "
+                                 "copy the cache to the machine that trains (it needs no compiler then)")
+    no_cuda_graph: bool = setting(False, "cuda: run the training step as plain VM calls instead of CUDA graphs "
+                                  "(graphs cut the host's work per step from ~15,000 calls to a few hundred)")
+    progress: str = setting("auto", "auto (a bar on a terminal, a line per step elsewhere), bar or lines")
+    report_to: str = setting("none", "none, or tensorboard (scalars to OUT/runs; pip install "
+                             "'lorac[tensorboard]')")
+    # 0: one process, or the MPI job's workers when started under mpiexec (runtime/launch.py)
+    gpus: int = setting(0, "data-parallel workers on this host: N processes through mpiexec, one per GPU with "
+                        "--target cuda (CPU processes with --target cpu); --batch is the global batch, split over "
+                        "them; several hosts: docs/DISTRIBUTED.md (pip install 'lorac[distributed]')")
+    # 600 s: torch's NCCL default
+    dist_timeout: float = setting(600.0, "seconds a worker waits for the others in a collective before the run "
+                                  "stops with an error")
+    extra: dict = setting(help="settings without a flag (API use)", factory=dict)
+
+    @classmethod
+    def optimizer_settings(cls) -> tuple[str, ...]:
+        """The fields that shape the optimizer's trajectory (a resumed run must keep them)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("optimizer"))
+
+    def optim_config(self) -> LoraPlusConfig:
+        """The run's LoraPlusConfig (total_steps: --steps; the rest at LoraPlusConfig's defaults)."""
+        return LoraPlusConfig(lr=self.lr, loraplus_ratio=self.loraplus_ratio, weight_decay=self.weight_decay,
+                              max_grad_norm=self.max_grad_norm, warmup_steps=self.warmup, total_steps=self.steps)
 
     def validate(self):
         for key in ("steps", "batch", "seq", "rank", "grad_accum", "eval_every", "save_every", "eval_batches"):
@@ -97,7 +146,6 @@ class TrainConfig:
     def check_backend(self):
         """--target, --backend and --ort-providers, before anything loads: a target this machine
         cannot train on is one line here (runtime/devices/), not an error deep inside TVM."""
-        from . import devices
         if self.backend not in ("tvm", "ort"):
             raise LoracError(f"--backend must be tvm or ort, got {self.backend!r}")
         devices.for_target(self.target)  # an unknown target: one line naming the known ones
@@ -139,8 +187,6 @@ class Run:
 
         from .data import load_dataset
         from .model_source import resolve_model
-        from .optim import LoraPlusConfig
-
         from .distributed import current
         cfg.validate()
         self.dp = dp = current()  # the data-parallel workers (distributed.py); rank 0 alone logs
@@ -155,7 +201,7 @@ class Run:
         if cfg.adapter:  # the adapter's settings replace the flags it decides
             from .adapter_in import read_adapter
             self.adapter = a = read_adapter(cfg.adapter, self.spec)
-            cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, targets=a.targets,
+            cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, lora_targets=a.targets,
                                      trained_layers=a.trained_layers(self.spec.layers))
             self.log(f"adapter: {a.describe()}")
         extra = {}
@@ -174,7 +220,7 @@ class Run:
             loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq)
             if loss_chunk:
                 self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
-        self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
+        self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing, loss_chunk=loss_chunk, extra=extra)
         self.train_spec.validate(self.spec)
@@ -187,8 +233,7 @@ class Run:
                                  eval_path=eval_path)
         self.eval_path = eval_path
         self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
-        self.optim_cfg = LoraPlusConfig(lr=cfg.lr, loraplus_ratio=cfg.loraplus_ratio, weight_decay=cfg.weight_decay,
-                                        max_grad_norm=cfg.max_grad_norm, warmup_steps=cfg.warmup, total_steps=cfg.steps)
+        self.optim_cfg = cfg.optim_config()
         from .engine import make_engine
         if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
             from .gemm_cpu import blas_info
@@ -347,7 +392,7 @@ def train(cfg: TrainConfig, log=None) -> dict:
 
 
 def _claim(out: Path):
-    from . import locks
+    from lorac.core import locks
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -18,6 +18,8 @@ import struct
 
 import numpy as np
 
+from lorac.core.dtypes import as_dtype  # noqa: F401 (callers import it from here too)
+
 from .errors import LoracError
 
 SAFETENSORS_DTYPES = {
@@ -25,14 +27,6 @@ SAFETENSORS_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_,
 }
-
-
-def as_dtype(dtype):
-    """np dtype from a dtype or a name; "bfloat16"/"bf16" needs ml_dtypes."""
-    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
 
 
 def convert(raw: np.ndarray, src: str, dtype) -> np.ndarray:

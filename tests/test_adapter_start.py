@@ -41,7 +41,7 @@ def test_training_starts_from_the_adapter(setup):
     d, reference = setup
     cfg = TrainConfig(model=str(d / "model"), data=str(d / "data.txt"), eval_data=str(d / "eval.txt"),
                       adapter=str(d / "peft"), out=str(d / "out"), steps=1, batch=1, seq=32, eval_batches=1,
-                      sample_tokens=0, cache_dir=str(d / "cache"), rank=16, targets=("o_proj",))
+                      sample_tokens=0, cache_dir=str(d / "cache"), rank=16, lora_targets=("o_proj",))
     summary = train(cfg, log=lambda m: None)
     from lorac.runtime.data import load_dataset
     from lorac.runtime.tokenizer import load_tokenizer
@@ -52,7 +52,7 @@ def test_training_starts_from_the_adapter(setup):
     assert abs(summary["eval_loss_before"] - float(want)) <= 1e-4 * float(want)
     state = json.loads(next((d / "out" / "checkpoints").glob("ckpt-*/state.json")).read_text())
     tc = state["train_config"]
-    assert (tc["rank"], tc["alpha"], tc["targets"], tc["trained_layers"]) == (4, 8.0, ["q_proj", "v_proj"], "1")
+    assert (tc["rank"], tc["alpha"], tc["lora_targets"], tc["trained_layers"]) == (4, 8.0, ["q_proj", "v_proj"], "1")
     exported = json.loads((d / "out" / "adapter" / "adapter_config.json").read_text())
     assert exported["layers_to_transform"] == [1] and exported["r"] == 4
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from _compiler_graphs import assert_outputs_close, random_inputs, saved_training_graph
-from lorac.runtime import artifact_cache, integrity
+from lorac.core import artifact_cache, integrity
 from lorac.runtime.artifact import load_artifact
 from lorac.runtime.errors import LoracError
 

@@ -13,7 +13,7 @@ import pytest
 from lorac.runtime.checkpoint import (FORMAT, config_hash, load_checkpoint, rng_from_state, rng_state,
                                       save_checkpoint)
 from lorac.runtime.errors import LoracError
-from lorac.runtime.integrity import seal
+from lorac.core.integrity import seal
 
 NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
 

@@ -24,7 +24,7 @@ def test_trl_and_peft_spellings(tmp_path):
     cfg = parsed(["train", "--learning_rate", "1e-3", "--max-steps", "5", "--lora-r", "4", "--lora_alpha", "8",
                   "--max-seq-length=64", "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "3",
                   "--output_dir", "o", "--target-modules", "q_proj,v_proj", "--use-rslora", "--warmup-steps", "1"])
-    assert (cfg.lr, cfg.steps, cfg.rank, cfg.alpha, cfg.seq, cfg.batch, cfg.grad_accum, cfg.out, cfg.targets,
+    assert (cfg.lr, cfg.steps, cfg.rank, cfg.alpha, cfg.seq, cfg.batch, cfg.grad_accum, cfg.out, cfg.lora_targets,
             cfg.rslora, cfg.warmup) == (1e-3, 5, 4, 8.0, 64, 2, 3, "o", ("q_proj", "v_proj"), True, 1)
     toml = tmp_path / "run.toml"
     toml.write_text('learning_rate = 5e-4\nmax_steps = 9\nlora-r = 2\n')

@@ -50,14 +50,14 @@ def test_train_with_opencl_is_refused_up_front_in_one_line(capsys):
 def test_compile_for_opencl_says_the_artifact_needs_an_opencl_runtime(tmp_path, capsys):
     import onnx
     pytest.importorskip("tvm")
-    from lorac.compiler.cli import compile_command
+    from lorac.runtime.cli import main  # `lorac compile`: the runtime's devices add the note
     g = helper.make_graph([helper.make_node("Sigmoid", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 9
     onnx.save(model, str(tmp_path / "g.onnx"))
-    assert compile_command([str(tmp_path / "g.onnx"), "--target", "opencl", "--out", str(tmp_path / "ocl")]) == 0
+    assert main(["compile", str(tmp_path / "g.onnx"), "--target", "opencl", "--out", str(tmp_path / "ocl")]) == 0
     err = capsys.readouterr().err
     if not devices.get("opencl").unavailable("opencl"):
         pytest.skip("this TVM runtime has OpenCL: no note")

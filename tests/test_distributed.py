@@ -198,7 +198,7 @@ def test_weighted_worker_gradients_sum_to_the_whole_batch_gradient(base):
     from lorac.runtime.distributed import shard_rows
     from lorac.runtime.train import Run, TrainConfig, init_lora
     kw = dict(model=str(base / "model"), data=str(base / "corpus.jsonl"), batch=4, seq=32,
-              cache_dir=str(base / "cache"), targets=("q_proj", "v_proj", "down_proj"))
+              cache_dir=str(base / "cache"), lora_targets=("q_proj", "v_proj", "down_proj"))
     whole, halves = (Run(TrainConfig(**kw, gpus=g), log=lambda m: None) for g in (0, 2))
     rng = np.random.default_rng(1)
     lora = {n: (rng.normal(0, 0.02, s) if ".lora_B." in n else init_lora({n: s}, rng)[n]).astype(np.float32)

@@ -50,7 +50,7 @@ def one_line_error(rc, err, match):
 
 
 def tree_digest(folder: Path) -> dict:
-    from lorac.runtime.integrity import sha256_file
+    from lorac.core.integrity import sha256_file
     return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 

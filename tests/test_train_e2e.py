@@ -188,7 +188,7 @@ def test_toml_config_supplies_defaults_and_flags_win(workdir, tmp_path):
     cfg_file.write_text('steps = 7\nbatch = 3\nloraplus-ratio = 8.0\ntargets = "q_proj,v_proj"\n')
     args = build_parser().parse_args(["train", "--config", str(cfg_file), "--batch", "5"])
     cfg = train_config(args)
-    assert (cfg.steps, cfg.batch, cfg.loraplus_ratio, cfg.targets) == (7, 5, 8.0, ("q_proj", "v_proj"))
+    assert (cfg.steps, cfg.batch, cfg.loraplus_ratio, cfg.lora_targets) == (7, 5, 8.0, ("q_proj", "v_proj"))
     cfg_file.write_text("stepz = 3\n")
     r = _run(["train", "--config", str(cfg_file)])
     assert r.returncode == 2 and "unknown setting(s) stepz" in r.stderr

@@ -1,0 +1,88 @@
+"""The layering rule, core < graphs < compiler < runtime (docs/ARCHITECTURE.md): a package
+imports only from those below it, anywhere in its source (also imports inside functions),
+and importing the lower packages leaves the runtime unloaded and the environment alone."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("core", "graphs", "compiler", "runtime")  # lorac.<layer> lives in ROOT/<layer>
+
+
+def lorac_imports(source: str, here: list[str]) -> set[str]:
+    """The lorac layers a module's source imports (absolute or relative, at any depth);
+    `here`: the module's package, e.g. ["lorac", "graphs"]."""
+    tree = ast.parse(source)
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the file's own package
+                base = here[:len(here) - node.level + 1]
+                names = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                names = [node.module or ""]
+        for n in names:
+            parts = n.split(".")
+            if parts[0] == "lorac" and len(parts) > 1 and parts[1] in LAYERS:
+                found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("layer", LAYERS[:-1])
+def test_no_package_imports_from_a_layer_above(layer):
+    above = set(LAYERS[LAYERS.index(layer) + 1:])
+    bad = {}
+    for path in sorted((ROOT / layer).rglob("*.py")):
+        here = ["lorac", layer, *path.relative_to(ROOT / layer).parent.parts]
+        hit = lorac_imports(path.read_text(), here) & above
+        if hit:
+            bad[str(path.relative_to(ROOT))] = sorted(hit)
+    assert not bad, f"lorac.{layer} imports from layers above it: {bad}"
+
+
+def test_the_scan_sees_imports():
+    """The checker itself: a nested relative import of the runtime, as graphs/optimizer.py had
+    one, is found (else the test above would pass on anything)."""
+    probe = "def f():\n    from ..runtime.optim import group_of\n    import lorac.compiler.pipeline\n"
+    assert lorac_imports(probe, ["lorac", "graphs"]) == {"runtime", "compiler"}
+    assert lorac_imports("from .devices import cpu\nfrom . import x", ["lorac", "runtime"]) == {"runtime"}
+    assert lorac_imports("from .. import errors", ["lorac", "runtime", "devices"]) == {"runtime"}
+
+
+def _fresh(code: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TVM_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_importing_graphs_and_compiler_loads_no_runtime_and_sets_no_variable():
+    got = _fresh("import json, os, sys; before = dict(os.environ); import lorac.graphs, lorac.compiler; "
+                 "print(json.dumps({'mods': sorted(m for m in sys.modules if m.startswith('lorac.')), "
+                 "'changed': sorted(k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k)), "
+                 "'spin': os.environ.get('TVM_THREAD_POOL_SPIN_COUNT')}))")
+    assert got["spin"] is None and got["changed"] == []
+    assert not [m for m in got["mods"] if m.startswith("lorac.runtime")]
+    assert "lorac.graphs" in got["mods"] and "lorac.compiler" in got["mods"]  # the probe did import them
+
+
+def test_core_imports_no_other_layer():
+    got = _fresh("import json, sys; import lorac.core, lorac.core.keys, lorac.core.loraplus, lorac.core.artifact_cache; "
+                 "print(json.dumps(sorted(m for m in sys.modules if m.startswith('lorac.'))))")
+    assert got and all(m.startswith("lorac.core") for m in got), got
+
+
+def test_compiler_and_runtime_list_targets_in_one_order():
+    from lorac.compiler import FAMILIES
+    from lorac.core.constants import TARGET_ORDER
+    from lorac.runtime.devices import targets
+    assert FAMILIES == targets() == TARGET_ORDER
