@@ -56,7 +56,7 @@ class LoraPlusConfig:
     max_grad_norm: float = setting(1.0, "global gradient-norm clip (<= 0: off)")
     # 4 steps of linear warmup from lr/4: Adam's first updates are sign-like (about lr per
     # element whatever the gradient), so the first steps move B off zero more gently.
-    warmup_steps: int = setting(4, "linear warmup steps (then cosine decay to lr * min_lr_ratio)")
+    warmup_steps: int = setting(4, "linear warmup steps, then a cosine decay to lr * min_lr_ratio (0.1 by default)")
     # cosine decay from lr at warmup_steps to min_lr_ratio*lr at total_steps (then flat);
     # the training loop sets it to --steps
     total_steps: int = setting(1000, "end of the cosine decay")

@@ -73,11 +73,14 @@ class Report:
                       f"eta {eta:5.0f} s")
 
     def close(self) -> None:
+        """Flush and close everything; again is a no-op (the training loop closes the report
+        before the final eval, its cleanup once more however the run ends)."""
         self.metrics.close()
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
 
 def _tensorboard(out: Path):

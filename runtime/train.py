@@ -6,6 +6,7 @@ per step and per eval goes to OUT/metrics.jsonl; a progress line goes to the ter
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -383,7 +384,10 @@ def train(cfg: TrainConfig, log=None) -> dict:
     workers = distributed.setup(cfg)
     lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
     try:
-        summary = _train(cfg, log)
+        # whatever _train opens or installs (the metrics file, the signal handlers) it hands to
+        # `cleanup`, which closes and restores it however _train ends
+        with contextlib.ExitStack() as cleanup:
+            summary = _train(cfg, log, cleanup)
         workers.done = True
         return summary
     finally:
@@ -404,7 +408,7 @@ def _claim(out: Path):
     return lock
 
 
-def _train(cfg: TrainConfig, log=None) -> dict:
+def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
     from . import resume
     from .optim import group_lrs
 
@@ -420,7 +424,8 @@ def _train(cfg: TrainConfig, log=None) -> dict:
     dp.attach(eng)
     if cfg.resume and dp.main:  # steps after the checkpoint are made again: drop their old lines
         resume.truncate_metrics(out / "metrics.jsonl", st["step"])
-    report = Report(out, cfg.progress, cfg.report_to, cfg.resume, log) if dp.main else _Silent()
+    report = cleanup.enter_context(contextlib.closing(
+        Report(out, cfg.progress, cfg.report_to, cfg.resume, log) if dp.main else _Silent()))
     log = run.log = eng.log = report.log  # above the progress bar, where there is one
     compile_all(eng, graph_kinds(run), cfg.progress if dp.main else "lines")
     # Ctrl-C, SIGTERM, SIGHUP: finish the step, save a checkpoint, exit nonzero. The handlers
@@ -429,6 +434,7 @@ def _train(cfg: TrainConfig, log=None) -> dict:
     # (data parallel: a signal only marks this worker; the workers agree after each step)
     stop = {"now": False, "signal": None}
     previous = {sig: signal.signal(sig, lambda n, _f: stop.update(now=dp.size == 1, signal=n)) for sig in STOP_SIGNALS}
+    cleanup.callback(_restore, previous)
     first_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
     if first_eval is not None:
         if not cfg.resume:
@@ -492,7 +498,6 @@ def _train(cfg: TrainConfig, log=None) -> dict:
     if final_eval is not None:
         log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
     if not dp.main:  # the other workers are done: rank 0 samples, exports and sums up
-        _restore(previous)
         return dict(interrupted=interrupted, stopped_by=signal.Signals(stop["signal"]).name if interrupted else None)
     summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
                    eval_loss_after=final_eval, interrupted=interrupted,
@@ -512,7 +517,6 @@ def _train(cfg: TrainConfig, log=None) -> dict:
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    _restore(previous)
     return summary
 
 

@@ -1,0 +1,68 @@
+"""One place for defaults: TrainConfig's fields (and LoraPlusConfig's, for the optimizer)
+carry each setting's default and help; the CLI, its --help and the docs agree with them."""
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from lorac.runtime.cli import build_parser, train_config
+from lorac.runtime.optim import LoraPlusConfig
+from lorac.runtime.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train_parser():
+    return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
+def test_every_setting_has_help():
+    for cls in (TrainConfig, LoraPlusConfig):
+        bare = [f.name for f in fields(cls) if not f.metadata.get("help")]
+        assert not bare, f"{cls.__name__} fields without help: {bare}"
+
+
+def test_train_and_optimizer_defaults_are_one():
+    cfg, opt = TrainConfig(), LoraPlusConfig()
+    same = {"lr": "lr", "loraplus_ratio": "loraplus_ratio", "warmup": "warmup_steps",
+            "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm"}
+    assert set(same) == set(TrainConfig.optimizer_settings())
+    for mine, theirs in same.items():
+        assert getattr(cfg, mine) == getattr(opt, theirs), mine
+    built = cfg.optim_config()
+    assert all(getattr(built, f.name) == getattr(opt, f.name) for f in fields(LoraPlusConfig) if f.name != "total_steps")
+    assert built.total_steps == cfg.steps
+
+
+def test_no_flags_give_the_dataclass_defaults():
+    assert train_config(_train_parser().parse_args([])) == TrainConfig()
+
+
+def test_help_shows_each_default_next_to_its_flag():
+    p = _train_parser()
+    text = "".join(p.format_help().split())  # no whitespace at all: argparse wraps long words too
+    by_dest = {a.dest: a for a in p._actions}
+    for f in fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        action = by_dest[f.name]
+        help_ = " ".join(action.help.split())
+        assert help_ and "".join(help_.split()) in text, f.name
+        d = f.default if f.default is not MISSING else None
+        if d is not None and not isinstance(d, bool):
+            assert help_.endswith(f"(default: {d})"), f"--{f.name}: {help_}"
+    assert "--targetsLORA_TARGETS,--target-modules" in text  # the LoRA targets' flags, after the rename
+    assert train_config(p.parse_args(["--targets", "q_proj,v_proj"])).lora_targets == ("q_proj", "v_proj")
+
+
+def test_the_optimizer_docs_table_matches_the_defaults():
+    """docs/OPTIMIZER.md's defaults table states LoraPlusConfig's values."""
+    rows = dict(re.findall(r"^\| ([\w, ]+?) \| ([^|]+?) \|", (ROOT / "docs" / "OPTIMIZER.md").read_text(), re.M))
+    opt = LoraPlusConfig()
+    for f in fields(LoraPlusConfig):
+        if f.name == "betas":
+            betas, eps = rows["betas, eps"].rsplit(", ", 1)
+            assert (betas, float(eps)) == (str(opt.betas), opt.eps)
+        elif f.name != "eps":
+            assert float(rows[f.name]) == float(getattr(opt, f.name)), f.name
