@@ -8,13 +8,15 @@ weights or K^T in attention) is folded into the call as an `n`/`t` letter in the
 the library reads the operand transposed in place, and a permute that only matmuls read is
 never emitted.
 
-The runtime (lorac.runtime.gemm_cpu / gemm_cuda) registers the four functions
-`lorac.gemm_nn`, `_nt`, `_tn`, `_tt` with the contract
+The runtime registers the four functions `lorac.gemm_nn`, `_nt`, `_tn`, `_tt` (runtime/gemm.py,
+which hands each call to its device's library: runtime/gemm_cpu.py, runtime/gemm_cuda.py)
+with the contract
 
     out[..., M, N] = op_a(a)[..., M, K] @ op_b(b)[..., K, N]     (op = identity or swap of the last two axes)
 
 where `a` and `b` are row-major (contiguous), have 2 dims or the same batch dims as
-`out`, and `out` is written in full (no accumulate).
+`out`, and `out` is written in full (sums of GEMMs that accumulate into one output are
+gemm_sum.py's `lorac.gemm_acc_*` calls).
 
 With `compute_dtype="bfloat16"`, every GEMM gets both operands in bf16 and writes fp32:
 the library multiplies in bf16 and accumulates in fp32 (autocast-style). A weight widened

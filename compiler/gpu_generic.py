@@ -54,10 +54,3 @@ def relax_passes(target) -> list:
                 t.ComputePrimValue(), t.VMShapeLower(), t.AttachGlobalSymbol()]  # CUDA's, minus CUDA graphs
     return (gpu.library_dispatch_passes(target) + legalize_passes(target)
             + gpu.dataflow_lower_passes(target) + finalize)
-
-
-def compile_error(family: str, err: Exception):
-    """Wrap a TVM build failure in one lorac error that names the target."""
-    from lorac.core.errors import LoracError
-    msg = str(err).strip().splitlines()
-    return LoracError(f"TVM could not build for target {family}: {msg[-1] if msg else type(err).__name__}")

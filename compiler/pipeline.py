@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -223,24 +224,57 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
                   force: bool = False, verbose: bool = False) -> Path:
     """Compile an ONNX training graph (path or ModelProto) into an artifact directory.
 
-    Returns the directory. When it already holds an artifact of the same graph hash,
-    target, dtype and versions, nothing is rebuilt (unless force=True).
+    Returns the directory. When it already holds an artifact of the same key (the graph's
+    hash, target, dtype, tune and versions: manifest.cache_key), nothing is rebuilt (unless
+    force=True). The build itself is _build (import, passes, tvm.compile), then _publish
+    (export into a staging directory, manifest, swap into place).
     """
     family, request = resolve_target(target)
-    if dtype not in DTYPES:
-        raise LoracError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    tmod = target_module(family)
-    if dtype not in tmod.DTYPES:
-        raise LoracError(f"target {family} supports dtype {', '.join(tmod.DTYPES)}, not {dtype}")
+    tmod = _target_for(family, dtype)
     proto, sha = _load_onnx(model)
     art_dir = Path(out_dir) if out_dir is not None else Path("artifacts") / f"{sha[:12]}-{family}-{dtype}"
     key = mf.cache_key(mf.BuildRequest(sha, request, dtype, int(tune)))
     if not force and mf.matches(mf.read(art_dir), key, art_dir):
         return art_dir
-
     tmod.check_environment(request)
     if getattr(tmod, "ISOLATE_BUILD", False) and not os.environ.get(_ISOLATED):
         return _build_in_child(proto, request, art_dir, dtype, family)
+    built = _build(proto, tmod, request, dtype, tune, art_dir)
+    manifest = _publish(built, key, family, request, tmod, art_dir)
+    if verbose:
+        gemm = manifest["gemm"]
+        print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
+              f"{len(gemm['left_to_tvm'])} left to TVM; {manifest['compile_seconds']} s -> {art_dir}")
+    return art_dir
+
+
+def _target_for(family: str, dtype: str):
+    """The target module of `family`, once `dtype` is known to be one it builds."""
+    if dtype not in DTYPES:
+        raise LoracError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    tmod = target_module(family)
+    if dtype not in tmod.DTYPES:
+        raise LoracError(f"target {family} supports dtype {', '.join(tmod.DTYPES)}, not {dtype}")
+    return tmod
+
+
+@dataclass
+class _Built:
+    """A compiled module and what the manifest says about it."""
+    executable: object  # tvm.relax.VMExecutable
+    tvm_target: object
+    inputs: list
+    outputs: list
+    units: dict
+    unit_calls: list
+    gemm: dict
+    bound: bool
+    plan: dict
+    seconds: dict = field(default_factory=dict)
+
+
+def _build(proto, tmod, request: dict, dtype: str, tune: int, art_dir: Path) -> _Built:
+    """ONNX -> Relax (lower_to_relax) -> tuning (cpu) -> the target's passes -> tvm.compile."""
     t0 = time.perf_counter()
     mod, units, unit_calls, gemm = lower_to_relax(proto, tmod, dtype)
     inputs, outputs = _signature(proto, mod["main"])
@@ -252,7 +286,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     tvm_target = tmod.tvm_target(request)
     if tune:
         if not hasattr(tmod, "tune"):
-            raise LoracError(f"--tune is not available for target {family}")
+            raise LoracError(f"--tune is not available for target {tmod.FAMILY}")
         mod = tmod.tune(mod, tvm_target, tune, cache_dir=Path(art_dir).parent / ".lorac-tuning")
     import tvm
 
@@ -272,31 +306,32 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     config.update(tmod.pass_config(request) if hasattr(tmod, "pass_config") else {})
     with tvm.transform.PassContext(opt_level=3, config=config):
         ex = tvm.compile(mod, tvm_target, relax_pipeline=pipeline)
-    t_build = time.perf_counter() - t0 - t_import
+    seconds = {"import": round(t_import, 3), "build": round(time.perf_counter() - t0 - t_import, 3)}
+    return _Built(ex, tvm_target, inputs, outputs, units, unit_calls, gemm, bound, plan, seconds)
 
-    # build into a fresh staging directory, then swap: a failed export leaves no half artifact,
-    # and two builders of one directory never write into each other's files
+
+def _publish(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Path) -> dict:
+    """Export `b` into a fresh staging directory, write its sealed manifest, swap it into place:
+    a failed export leaves no half artifact, and two builders of one directory never write
+    into each other's files. Returns the manifest."""
+    t0 = time.perf_counter()
     stage = mf.staging_dir(art_dir)
-    files = tmod.export(ex, stage, tvm_target)
+    files = tmod.export(b.executable, stage, b.tvm_target)
     manifest = {
         "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
         **key,
         "target": {"family": family, "request": request, "device": tmod.DEVICE,
-                   "tvm": _target_json(tvm_target)},
+                   "tvm": _target_json(b.tvm_target)},
         "library": files.pop("library"),
-        "inputs": inputs, "outputs": outputs, "gemm": gemm, "units": units, "bound_inputs": bound,
-        "unit_calls": unit_calls,
-        "memory": plan,
+        "inputs": b.inputs, "outputs": b.outputs, "gemm": b.gemm, "units": b.units, "bound_inputs": b.bound,
+        "unit_calls": b.unit_calls,
+        "memory": b.plan,
         "extra": files,
-        "compile_seconds": {"import": round(t_import, 3), "build": round(t_build, 3),
-                            "export": round(time.perf_counter() - t0 - t_import - t_build, 3)},
+        "compile_seconds": {**b.seconds, "export": round(time.perf_counter() - t0, 3)},
     }
     mf.write(stage, manifest)  # with the sha256 of every file, sealed (core/artifact_cache.py)
     mf.publish(stage, art_dir)
-    if verbose:
-        print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
-              f"{len(gemm['left_to_tvm'])} left to TVM; {manifest['compile_seconds']} s -> {art_dir}")
-    return art_dir
+    return manifest
 
 
 def _build_in_child(proto, request: dict, art_dir: Path, dtype: str, family: str) -> Path:
