@@ -12,7 +12,7 @@ import pytest
 from lorac.runtime.cli import build_parser, main, train_config
 from tiny_model import make_corpus, make_model_dir
 
-LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
+from conftest import LORAC  # noqa: E402 - the `lorac` command (tests/conftest.py)
 
 
 def parsed(argv):

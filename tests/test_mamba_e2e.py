@@ -3,8 +3,6 @@ adapter (in/x_proj: PEFT refuses out_proj on Mamba and transformers ignores a PE
 dt_proj) and the merged model (all four targets) load in PEFT / transformers with lorac's
 forward-graph logits; GGUF is refused."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,12 +10,12 @@ import pytest
 from tiny_model import compiled_logits, make_corpus, make_mamba_dir
 
 pytest.importorskip("tvm")
-LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
+from conftest import run_lorac  # noqa: E402 - the `lorac` command (tests/conftest.py)
 TOL = 1e-4
 
 
 def _run(args):
-    return subprocess.run(LORAC + args, capture_output=True, text=True, timeout=600)
+    return run_lorac(args)
 
 
 @pytest.fixture(scope="module")

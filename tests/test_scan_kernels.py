@@ -213,18 +213,11 @@ def test_cuda_build_maps_the_scan(tmp_path):
 
 # --- on a real GPU (marked gpu, skipped without one) ---------------------------------------
 
-def _need_gpu():
-    from test_compiler_targets import _has_cuda_gpu
-    if not _has_cuda_gpu():
-        pytest.skip("no CUDA GPU")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,S,I,M,L", SHAPES + [(2, 70, 40, 32, 16)])
 def test_cuda_scan_kernels_match_cpu(B, S, I, M, L, tmp_path):
     """The CUDA kernels (fp32) against the CPU ones: channels not a multiple of the warp, state
     8 and 4 (fewer sums than lanes: the butterfly ends in an all-reduce) and 32 (more)."""
-    _need_gpu()
     from lorac.compiler import compile_graph
     from lorac.runtime.artifact import load_artifact
     d = ScanDims(B, S, I, M, L)
@@ -241,7 +234,6 @@ def test_cuda_mamba_matches_cpu(dtype, tmp_path):
     """A whole checkpointed Mamba training step (2 layers, seq 21 with chunk 8, 48 channels:
     one full warp and a partial one) on CUDA against the CPU artifact: fp32 to 1e-4, bf16
     (bf16 weights and scan inputs) loss within 1e-2 and every gradient's cosine >= 0.999."""
-    _need_gpu()
     from lorac.graphs import ModelSpec
     from test_compiler_targets import assert_cuda_matches_cpu
     from test_mamba_parity import feeds

@@ -3,7 +3,6 @@ Ctrl-C saves, the exported adapter loads in PEFT and transformers with lorac's l
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from tiny_model import compiled_logits, make_model_dir, make_workdir
 
 pytest.importorskip("tvm")
-LORAC = [sys.executable, "-m", "lorac.runtime.cli"]
+from conftest import LORAC, run_lorac  # noqa: E402 - the `lorac` command (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +28,7 @@ def _train_args(d, out, steps, *extra):
 
 
 def _run(args, **kw):
-    return subprocess.run(LORAC + args, capture_output=True, text=True, timeout=600, **kw)
+    return run_lorac(args, **kw)
 
 
 def _records(out):
