@@ -37,7 +37,7 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         g.scope = f"L{L.idx}.fwd"
         inputs.append(x)
         x, s = fam.layer_forward(c, x, L)
-        saved.append(None if (train.checkpointing or L.idx < lowest) else s)
+        saved.append(None if (train.recomputes(spec, L.idx) or L.idx < lowest) else s)
     g.scope = "head"
     hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
     loss, dhN = loss_and_grad(g, hN, head, labels, train.batch, train.seq, spec.vocab, train.loss_chunk)

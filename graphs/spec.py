@@ -146,6 +146,7 @@ class TrainSpec:
     rslora: bool = False
     trained_layers: range | tuple[int, ...] | None = None  # None: every layer
     checkpointing: bool = False
+    keep_layers: int = 0  # with checkpointing: the highest trained layers that keep their activations
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -157,6 +158,15 @@ class TrainSpec:
     def layers(self, spec: ModelSpec) -> tuple[int, ...]:
         """Sorted indices of the layers that carry LoRA tensors."""
         return tuple(range(spec.layers)) if self.trained_layers is None else tuple(sorted(set(self.trained_layers)))
+
+    def recomputes(self, spec: ModelSpec, layer: int) -> bool:
+        """Whether the backward recomputes `layer`'s forward from its input (checkpointing).
+        keep_layers > 0 keeps the activations of that many of the highest trained layers:
+        between no checkpointing's speed and full checkpointing's memory."""
+        if not self.checkpointing:
+            return False
+        trained = self.layers(spec)
+        return layer in trained[:max(len(trained) - self.keep_layers, 0)]
 
     def validate(self, spec: ModelSpec) -> None:
         for name in ("batch", "seq", "rank"):
@@ -183,6 +193,11 @@ class TrainSpec:
             raise ValueError(f"trained_layers={self.trained_layers!r} must be non-empty indices in [0, {spec.layers})")
         if spec.sliding_window is not None and self.seq > spec.sliding_window:
             raise ValueError(f"seq={self.seq} exceeds sliding_window={spec.sliding_window}; sliding-window attention is not implemented")
+        if not isinstance(self.keep_layers, int) or self.keep_layers < 0:
+            raise ValueError(f"keep_layers must be an integer >= 0, got {self.keep_layers!r}")
+        if self.keep_layers and not self.checkpointing:
+            raise ValueError("keep_layers is for checkpointing (it keeps some layers' activations); "
+                             "without checkpointing every layer keeps them")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
 

@@ -43,6 +43,7 @@ TRAIN_HELP = {
     "ort_providers": "--backend ort: comma-separated onnxruntime execution providers, e.g. "
                      "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)",
     "checkpointing": "recompute each layer's forward in the backward (less memory)",
+    "keep_layers": "with --checkpointing, the N highest layers keep their activations instead (faster, more memory)",
     "loss_chunk": "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 logits fit 1.5 GiB)",
     "scan_chunk": "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda)", "eval_every": "steps between evals",
     "eval_batches": "batches per eval (0: no eval)", "save_every": "steps between checkpoints",

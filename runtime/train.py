@@ -48,6 +48,7 @@ class TrainConfig:
     backend: str = "tvm"  # "ort": the same graphs on onnxruntime (engine_ort.py)
     ort_providers: str | None = None  # --backend ort: None: the device's default providers
     checkpointing: bool = False
+    keep_layers: int = 0  # with checkpointing: this many of the highest layers keep their activations
     loss_chunk: int = 0
     scan_chunk: int = 0  # Mamba only; 0: the device's default (graphs/mamba.py DEVICE_CHUNK)
     eval_every: int = 10
@@ -176,7 +177,7 @@ class Run:
                 self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing, loss_chunk=loss_chunk, extra=extra)
+                                    checkpointing=cfg.checkpointing, keep_layers=cfg.keep_layers, loss_chunk=loss_chunk, extra=extra)
         self.train_spec.validate(self.spec)
         from . import limits  # before any compile: an impossible size would only fill memory
         limits.check_context(cfg.seq, self.model_config, "--seq")
