@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import attention_backward, attention_forward
+from .attention import Mask, attention_backward, attention_forward
 from .builder import GraphBuilder
 from .linear import Proj, add_lora, linear_backward, linear_forward, linear_group_forward
 from .mlp import swiglu_backward, swiglu_forward
@@ -88,7 +88,7 @@ def layer_forward(c: Ctx, x, L: Layer):
         k4, nk = rmsnorm_forward(g, k4, L.k_norm, spec.rms_eps)
     qr = rope_forward(g, q4, c.cos, c.sin, Dh)
     kr = rope_forward(g, k4, c.cos, c.sin, Dh)
-    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims)
+    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims, mask=Mask(window=spec.sliding_window))
     a2 = g.reshape(att, N, K * G * Dh)
     o, uo = linear_forward(g, a2, L.proj["o_proj"])
     x1 = g.op("Add", x, o)

@@ -138,8 +138,6 @@ class TrainSpec:
         layers = self.layers(spec)
         if not layers or layers[0] < 0 or layers[-1] >= spec.layers:
             raise ValueError(f"trained_layers={self.trained_layers!r} must be non-empty indices in [0, {spec.layers})")
-        if spec.sliding_window is not None and self.seq > spec.sliding_window:
-            raise ValueError(f"seq={self.seq} exceeds sliding_window={spec.sliding_window}; sliding-window attention is not implemented")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
 
