@@ -13,11 +13,13 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from lorac.graphs import families
+
 from . import devices
 from .errors import LoracError
 from .export_onnx import GRAPHS
 from .files import respect_umask
-from .train import ALL_TARGETS, TrainConfig
+from .train import TrainConfig
 
 TRAIN_HELP = {
     "model": "HF model directory, .gguf file, or hub id ORG/NAME (ORG/NAME:Q4_K_M for a GGUF repo; the local HF "
@@ -30,8 +32,8 @@ TRAIN_HELP = {
     "steps": "optimizer steps", "batch": "sequences per micro-batch; with --gpus N, of all workers together (--per-device-train-batch-size: "
              "per worker, as in TRL)", "seq": "tokens per sequence",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
-    "targets": f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
-               "in_proj,x_proj,dt_proj,out_proj for Mamba)",
+    "targets": "comma-separated LoRA targets (default: every linear layer of the model's family: "
+               + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
     "trained_layers": "adapt only layers A:B, or the layers i,j,k (no backward below the first)",
     "lr": "learning rate of the LoRA A matrices", "loraplus_ratio": "LoRA+ ratio: lr(B) = ratio * lr(A)",
     "warmup": "linear warmup steps (then cosine decay to lr/10)", "weight_decay": "AdamW decoupled weight decay",

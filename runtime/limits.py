@@ -26,8 +26,11 @@ def context_length(config: dict) -> int | None:
 
 
 def check_context(seq: int, config: dict, flag: str) -> None:
+    from lorac.graphs.families import for_model_type, model_types
     n = context_length(config)
-    if n is not None and config.get("model_type") != "mamba" and seq > n:
+    known = config.get("model_type") in model_types()
+    bounded = not known or for_model_type(config["model_type"]).CONTEXT_LIMITED
+    if n is not None and bounded and seq > n:
         raise LoracError(f"{flag} {seq} exceeds the model's context length {n} (max_position_embeddings)")
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-from lorac.graphs.spec import ALL_TARGETS  # noqa: F401 - the CLI's help lists them
-
 from .errors import LoracError
 from .files import respect_umask
 from .report import Report, compile_all
@@ -159,13 +157,13 @@ class Run:
             cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, targets=a.targets,
                                      trained_layers=a.trained_layers(self.spec.layers))
             self.log(f"adapter: {a.describe()}")
-        extra = {}
-        if self.spec.arch == "mamba":
-            from lorac.graphs.mamba import DEFAULT_CHUNK, DEVICE_CHUNK
-            extra["scan_chunk"] = cfg.scan_chunk or DEVICE_CHUNK.get(cfg.target, DEFAULT_CHUNK)
+        from lorac.graphs.families import for_spec
+        try:  # the family's own options (Mamba's scan chunk)
+            extra = for_spec(self.spec).train_extra(cfg.target, cfg.scan_chunk)
+        except ValueError as e:
+            raise LoracError(str(e)) from None
+        if "scan_chunk" in extra:
             self.log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
-        elif cfg.scan_chunk:
-            raise LoracError(f"--scan-chunk is for Mamba models; {self.spec.arch} has no scan")
         # data parallel: each worker's step takes its share of the global --batch (--compile-only
         # --gpus N, in one process, compiles that step too)
         workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
