@@ -13,6 +13,7 @@ DECODER_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS
+PACKINGS = ("plain", "isolated")  # TrainSpec.packing
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,9 @@ class TrainSpec:
     trained_layers: range | tuple[int, ...] | None = None  # None: every layer
     checkpointing: bool = False
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
+    # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
+    # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
+    packing: str = "plain"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -185,6 +189,11 @@ class TrainSpec:
             raise ValueError(f"seq={self.seq} exceeds sliding_window={spec.sliding_window}; sliding-window attention is not implemented")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        if self.packing == "isolated" and spec.arch == "mamba":
+            raise ValueError("--packing isolated is not implemented for Mamba (its conv and scan carry state "
+                             "across documents); use --packing plain")
 
 
 def lora_name(layer: int, target: str, which: str) -> str:
