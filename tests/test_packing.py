@@ -448,3 +448,14 @@ def test_lorac_train_packing_isolated_end_to_end(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == ("lorac: error: --packing isolated is not implemented for Mamba (its "
                                                  "conv and scan carry state across documents); use --packing plain")
+
+
+def test_memory_bound_counts_the_inlined_scores_on_cuda():
+    """On CUDA the plain units run on cuDNN (no [S, S] scores); the packed ones are inlined, so
+    the lower bound of a step holds one layer's bf16 scores again."""
+    from lorac.runtime import limits
+    spec = ModelSpec(arch="qwen3", vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)
+    kw = dict(batch=4, seq=2048, lora_targets=("q_proj",), rank=4)
+    plain = limits.step_bytes_lower_bound(spec, TrainSpec(**kw), 10 ** 6, target="cuda")
+    packed = limits.step_bytes_lower_bound(spec, TrainSpec(packing="isolated", **kw), 10 ** 6, target="cuda")
+    assert packed - plain == 2 * 4 * 4 * 2048 * 2048
