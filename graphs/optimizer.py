@@ -137,7 +137,7 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     g.output(g.op("Reshape", skipped, scalar), "skipped")
     doc = (f"LoRA+ AdamW: betas=({b1}, {b2}) eps={cfg.eps} weight_decay={cfg.weight_decay} "
            f"max_grad_norm={cfg.max_grad_norm}; lr_a, lr_b, step are inputs")
-    return g.finish(doc)
+    return g.finish(doc, data_prop=False)  # flat vectors: builder.finish says why
 
 
 def _one_minus_pow(g: GraphBuilder, b: float, t):

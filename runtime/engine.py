@@ -2,15 +2,19 @@
 
     eng = Engine(spec, train, weights, target="cpu", cache_dir=".lorac-cache")   # TVM artifacts
     eng = make_engine("ort", spec, train, weights, providers="CPUExecutionProvider")  # onnxruntime
-    out = eng.step(batch, lora)           # loss + LoRA grads (device tensors)
-    new = eng.update(lora, grads, m, v, lr_a, lr_b, t)
-    eng.eval_loss(batch, lora); eng.logits(ids, lora)
+    eng.set_state(lora, m, v)             # LoRA + AdamW state, resident on the device
+    out = eng.step(batch, eng.lora)       # loss + LoRA gradients (device tensors)
+    grad_norm, skipped = eng.update(out, lr_a, lr_b, t)
+    eng.eval_loss(batch, eng.lora); eng.logits(ids, eng.lora)
 
 Each graph (training step, eval loss, optimizer, forward) is emitted by lorac.graphs and
 compiled once per (graph hash, target, dtype): a second run, or a resumed one, reuses the
 artifact from the cache folder without importing the compiler. Frozen weights are uploaded
-once and passed to every call as device tensors. The onnxruntime backend (engine_ort.py)
-runs the same graphs behind the same methods (Graphs holds what both share).
+once and passed to every call as device tensors. The TVM engine's graphs take the LoRA
+tensors as the optimizer's flat buckets and write their gradients the same way
+(graphs/flat_lora.py): a step copies no tensor one by one. The onnxruntime backend
+(engine_ort.py) runs the per-tensor graphs behind the same methods (Graphs holds what
+both share).
 """
 from __future__ import annotations
 
@@ -126,7 +130,7 @@ class Graphs:
     @staticmethod
     def _missing_weights(wanted, have) -> None:
         """One error when the model's weights lack an input (other than the batch's, LoRA) a graph takes."""
-        missing = [n for n in wanted if n not in have and n not in BATCH_INPUTS and ".lora_" not in n]
+        missing = [n for n in wanted if n not in have and n not in BATCH_INPUTS and "lora_" not in n]
         if missing:
             raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
 
@@ -135,12 +139,8 @@ class Graphs:
         return {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in tensors.items()}
 
     # a backend's set_state keeps the LoRA+ AdamW state as flat per-bucket device buffers
-    # (graphs/optimizer.Bucket): _buckets, _p, _m, _v (each {bucket key: tensor with .numpy()})
-    # and _views, the current LoRA tensors as zero-copy views of _p
-    @property
-    def lora(self) -> dict:
-        """The current LoRA tensors as device views (feed them to step / eval / logits)."""
-        return self._views
+    # (graphs/optimizer.Bucket): _buckets, _p, _m, _v (each {bucket key: tensor with .numpy()});
+    # its `lora` property is what its step, eval_loss and logits take (the current LoRA tensors)
 
     def state_numpy(self):
         """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
@@ -163,8 +163,18 @@ class Engine(Graphs):
         self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
         self._weights = None
         self._arts: dict = {}
-        self._owned: dict = {}  # plain artifacts' own copies of the LoRA views (_feed)
-        self._pushed: dict = {}  # id(bound-input step) -> the views last copied into its buffers
+        from lorac.graphs.optimizer import buckets
+        self._buckets = buckets(self.shapes)
+        self._p = None  # set_state: {bucket key: flat device tensor}, also _m, _v, _g
+        self._pushed: dict = {}  # id(bound-input step) -> the flat params last copied into its buffers
+
+    def _recipe(self, kind: str):
+        """The shared recipe with the LoRA tensors as flat buckets (graphs/flat_lora.py)."""
+        from lorac.graphs.flat_lora import flat_lora_io
+        build, parts, dtype = super()._recipe(kind)
+        if kind == "adamw":
+            return build, parts, dtype
+        return (lambda: flat_lora_io(build(), self.shapes)), (*parts, "flat-lora"), dtype
 
     def compile(self, kind: str) -> Path:
         """The artifact directory of graph `kind`, compiled into the cache if missing (no device needed)."""
@@ -195,56 +205,52 @@ class Engine(Graphs):
 
     # -- LoRA + optimizer state: flat per-bucket device buffers (see graphs/optimizer.Bucket) --
     def set_state(self, lora: dict, m: dict, v: dict) -> None:
-        from lorac.graphs.optimizer import buckets, pack
+        from lorac.graphs.optimizer import pack
         import tvm
-        self._buckets = buckets(self.shapes)
         dev = self._artifact("train")._dev
         put = lambda d: {k: tvm.runtime.tensor(x, dev) for k, x in pack(self._buckets, d).items()}
         self._p, self._m, self._v = put(lora), put(m), put(v)
         self._g = {k: tvm.runtime.empty((x.shape[0],), "float32", dev) for k, x in self._p.items()}
-        self._g_views = self._make_views(self._g)  # the step's gradients are copied in here
-        self._views = self._make_views(self._p)
+        self._pushed.clear()
 
-    def _make_views(self, flats: dict) -> dict:
-        """Zero-copy [r, in] / [out, r] views of the flat param buffers for the training step."""
-        return {n: flats[b.key]._create_view(s, "float32", 4 * off)
-                for b in self._buckets for n, off, s in b.entries}
+    @property
+    def lora(self) -> dict:
+        """The current LoRA tensors as the graphs take them: {"<bucket>.param": flat device tensor}."""
+        return {f"{k}.param": t for k, t in self._p.items()}
+
+    def _flat(self, tensors: dict, suffix: str) -> dict:
+        """{"<bucket><suffix>": flat} from flat buckets as they are, or from per-tensor arrays
+        ("<name><suffix-less>" keys, numpy or device) packed on the host."""
+        from lorac.graphs.optimizer import pack
+        keys = [f"{b.key}{suffix}" for b in self._buckets]
+        if all(k in tensors for k in keys):
+            return {k: tensors[k] for k in keys}
+        plain = "" if suffix == ".param" else suffix  # per tensor: "<name>" and "<name>.grad"
+        per = {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in
+               ((n, tensors.get(n + plain)) for n in self.names) if a is not None}
+        if len(per) != len(self.names):
+            missing = next(n + plain for n in self.names if n not in per)
+            raise LoracError(f"LoRA tensors: {missing} is missing")
+        return {f"{k}{suffix}": x for k, x in pack(self._buckets, per).items()}
 
     def _feed(self, step, lora: dict) -> dict:
-        """`lora` as `step` may read it. The flat-buffer views (self.lora) start at an offset
-        into their buffer, which TVM's kernels ignore: they are built without argument
-        checks (compiler/pipeline.py) and read from the buffer's base. GEMMs take the
-        offset into account, but other kernels read LoRA tensors too (the bf16 casts, the
-        concatenated A of q/k/v), so a plain artifact gets owned copies of the views (a
-        device-side copy of a few MB a step); an artifact with bound inputs reads its own
-        buffers, into which the engine copies its LoRA once per update (_push_lora)."""
-        views = getattr(self, "_views", None)
-        if not views:
-            return lora
-        if step.bound_inputs:  # the engine's LoRA: the step's own buffers, filled once per update
-            if not all(views.get(n) is t for n, t in lora.items()):
-                return lora
-            if self._pushed.get(id(step)) is not views:
-                self._push_lora(step)
-            return {n: step.upload_target(n) for n in lora}
-        import tvm
-        out = {}
-        for n, t in lora.items():
-            if views.get(n) is t:
-                if n not in self._owned:
-                    self._owned[n] = tvm.runtime.empty(tuple(t.shape), str(t.dtype), t.device)
-                t.copyto(self._owned[n])
-                t = self._owned[n]
-            out[n] = t
-        return out
+        """`lora` (self.lora, or per-tensor arrays) as `step` takes it: flat buckets. A step with
+        bound inputs reads its own buffers, into which the engine copies the current
+        parameters once per update (_push_lora): then the call passes those buffers and
+        copies nothing."""
+        flat = self._flat(lora, ".param")
+        if not step.bound_inputs or self._p is None or any(flat[f"{k}.param"] is not t for k, t in self._p.items()):
+            return flat
+        if self._pushed.get(id(step)) is not self._p:
+            self._push_lora(step)
+        return {n: step.upload_target(n) for n in flat}
 
     def _push_lora(self, step) -> None:
-        """Copy the current LoRA values into a bound-input step's own buffers (device-side,
-        enqueued: update() does it for the train step before it waits, so the next step's
-        call passes the buffers themselves and copies nothing)."""
-        for n, t in self._views.items():
-            step.upload(step.input_spec(n), t)
-        self._pushed[id(step)] = self._views
+        """Copy the current flat parameters into a bound-input step's own buffers (device-side,
+        enqueued: update() does it for the train step before it waits)."""
+        for k, t in self._p.items():
+            step.upload(step.input_spec(f"{k}.param"), t)
+        self._pushed[id(step)] = self._p
 
     # -- the compiled calls -------------------------------------------------------------
     def step(self, batch: dict, lora: dict, read_loss: bool = True) -> dict:
@@ -267,17 +273,16 @@ class Engine(Graphs):
         grad_reducer, the flat gradients are first summed over the workers, each weighted by
         its `grad_share` of the batch."""
         opt = self._artifact("adamw")
-        for n in self.names:  # device-to-device copies into the flat gradient buffers
-            g = grads[f"{n}.grad"]
-            if isinstance(g, np.ndarray):
-                self._g_views[n].copyfrom(np.ascontiguousarray(g, np.float32))
-            else:
-                g.copyto(self._g_views[n])
-        if self.grad_reducer is not None:
+        flat = self._flat(grads, ".grad")
+        if self.grad_reducer is not None:  # summed in place over the workers: the engine's own buffers
+            for k, g in flat.items():
+                buf = self._g[k[:-len(".grad")]]
+                buf.copyfrom(np.ascontiguousarray(g, np.float32)) if isinstance(g, np.ndarray) else g.copyto(buf)
             self.grad_reducer(self._g, grad_share)
+            flat = {f"{k}.grad": t for k, t in self._g.items()}
         feeds = {}
         for k in self._p:
-            feeds.update({f"{k}.param": self._p[k], f"{k}.grad": self._g[k], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
+            feeds.update({f"{k}.param": self._p[k], f"{k}.grad": flat[f"{k}.grad"], f"{k}.m": self._m[k], f"{k}.v": self._v[k]})
         feeds.update(lr_a=np.float32(lr_a), lr_b=np.float32(lr_b), step=np.float32(t))
         out = opt(feeds, as_numpy=False)
         # a skipped step's outputs are its inputs bit for bit (the graph's Where), so the new
@@ -285,7 +290,6 @@ class Engine(Graphs):
         self._p = {k: out[f"{k}.param.new"] for k in self._p}
         self._m = {k: out[f"{k}.m.new"] for k in self._m}
         self._v = {k: out[f"{k}.v.new"] for k in self._v}
-        self._views = self._make_views(self._p)
         train = self._arts.get("train")
         if train is not None and train.bound_inputs:
             self._push_lora(train)

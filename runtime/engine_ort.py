@@ -191,6 +191,11 @@ class OrtEngine(Graphs):
         self._g_views = self._windows(self._g)
         self._views = self._windows(self._p)
 
+    @property
+    def lora(self) -> dict:
+        """The current LoRA tensors, windows into the flat parameters (feed them to step / eval / logits)."""
+        return self._views
+
     def _windows(self, flats: dict) -> dict:
         return {n: Window(flats[b.key], off, s) for b in self._buckets for n, off, s in b.entries}
 
