@@ -20,10 +20,20 @@ the CUDA build inlines (cuDNN's SDPA is not asked for them; docs/COMPILER.md):
 - soft-capping: scores c * tanh(s / c) before the mask (`softcap` c),
 - a sliding window: query i sees keys j with i - window < j <= i (HF's sliding-window
   mask), applied only when the window is shorter than the sequence.
+
+Packed rows (`--packing isolated`, docs/DATA.md): the packed units ("Packed" before the
+name) take the rows' position ids pos [B, S] (int64) before the scale, numbered 0, 1, ...
+from each document's start as HF's padding-free collator does. A query at index i with
+position p = pos[b, i] began its document at index i - p, so it sees exactly the keys j
+with i - p <= j <= i: causal AND same document (a block-diagonal causal mask), with no
+document ids needed. Only the mask differs, so the forward and backward bodies are the
+same (a masked score is -1e30 and its probability exactly 0 in both); every query sees at
+least itself, so no softmax row is empty. The CUDA build inlines the packed units too
+(cuDNN's SDPA mapping covers only the plain causal mask: docs/COMPILER.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,13 +42,16 @@ MASKED = -1e30  # finite: exp underflows to exactly 0, and no inf-inf NaNs in an
 
 @dataclass(frozen=True)
 class Mask:
-    """What the scores see besides q k^T: a tanh soft-cap and a sliding window (None: neither)."""
+    """What the scores see besides q k^T: a tanh soft-cap and a sliding window (None: neither),
+    and whether rows are packed documents (the unit then takes position ids)."""
     softcap: float | None = None
     window: int | None = None
+    packed: bool = False
 
     def unit(self, seq: int) -> str:
         """The unit's name: plain causal attention is the one cuDNN runs on CUDA."""
-        return "CausalAttention" + ("Softcap" if self.softcap else "") + ("Window" if self.windowed(seq) else "")
+        return (("Packed" if self.packed else "") + "CausalAttention" + ("Softcap" if self.softcap else "")
+                + ("Window" if self.windowed(seq) else ""))
 
     def windowed(self, seq: int) -> bool:
         return self.window is not None and self.window < seq
@@ -60,23 +73,34 @@ class AttentionSaved:
     lse: object
     scale: object
     mask: Mask
+    positions: object = None  # packed rows: the position ids [B, S]
 
 
-def attention_forward(g, q, k, v, dims, scale: float | None = None, mask: Mask = Mask()):
-    """(o [B, S, H, Dh], saved for the backward)."""
+def attention_forward(g, q, k, v, dims, scale: float | None = None, mask: Mask = Mask(), positions=None):
+    """(o [B, S, H, Dh], saved for the backward). `positions` [B, S] int64: packed rows, each
+    query attends only within its own document (the packed units)."""
     scale = dims[4] ** -0.5 if scale is None else scale
     c = g.f(scale)
-    name = mask.unit(dims[3])
-    o, lse = g.call(name, _variant(dims, g.np_float, mask), [q, k, v, c], 2,
-                    lambda fb, *x: _forward_body(fb, *x, dims, mask))
-    return o, AttentionSaved(q, k, v, o, lse, c, mask)
+    if positions is not None:
+        mask = replace(mask, packed=True)
+        body = lambda fb, q_, k_, v_, pos, c_: _forward_body(fb, q_, k_, v_, c_, dims, mask, pos)
+    else:
+        body = lambda fb, *x: _forward_body(fb, *x, dims, mask)
+    ins = [q, k, v] + ([positions] if positions is not None else []) + [c]
+    o, lse = g.call(mask.unit(dims[3]), _variant(dims, g.np_float, mask), ins, 2, body)
+    return o, AttentionSaved(q, k, v, o, lse, c, mask, positions)
 
 
 def attention_backward(g, do, saved: AttentionSaved, dims):
     """do = dLoss/do [B, S, H, Dh] -> (dq, dk, dv) in the layouts of q, k, v."""
     s, mask = saved, saved.mask
-    return g.call(mask.unit(dims[3]) + "Grad", _variant(dims, g.np_float, mask),
-                  [s.q, s.k, s.v, s.o, do, s.lse, s.scale], 3, lambda fb, *x: _backward_body(fb, *x, dims, mask))
+    if s.positions is not None:
+        ins = [s.q, s.k, s.v, s.o, do, s.lse, s.positions, s.scale]
+        body = lambda fb, q, k, v, o, do_, lse, pos, c: _backward_body(fb, q, k, v, o, do_, lse, c, dims, mask, pos)
+    else:
+        ins = [s.q, s.k, s.v, s.o, do, s.lse, s.scale]
+        body = lambda fb, *x: _backward_body(fb, *x, dims, mask)
+    return g.call(mask.unit(dims[3]) + "Grad", _variant(dims, g.np_float, mask), ins, 3, body)
 
 
 # -- the unit bodies (default-domain ONNX) ------------------------------------------------
@@ -92,9 +116,10 @@ def _ungrouped(fb, x, dims, heads):
     return fb.transpose(fb.reshape(x, B, heads, S, Dh), 0, 2, 1, 3)
 
 
-def _masked_scores(fb, q, k, scale, dims, mask: Mask):
+def _masked_scores(fb, q, k, scale, dims, mask: Mask, positions=None):
     """(scores [B, K, G, S, S] with -1e30 where key j is not seen by query i, t = tanh(s/c)
-    before masking or None without a soft-cap). Seen: j <= i, and i - j < window if any."""
+    before masking or None without a soft-cap). Seen: j <= i, and i - j < window if any,
+    and with `positions` [B, S] j >= i - positions[i] (the query's document)."""
     B, K, G, S, Dh = dims
     s = fb.matmul(_grouped(fb, q, dims), fb.transpose(k, 0, 2, 3, 1))  # [B, K, G*S, S]
     s = fb.reshape(fb.op("Mul", s, scale), B, K, G, S, S)
@@ -107,14 +132,17 @@ def _masked_scores(fb, q, k, scale, dims, mask: Mask):
     seen = fb.op("LessOrEqual", j, i)
     if mask.windowed(S):
         seen = fb.op("And", seen, fb.op("Greater", j, fb.op("Sub", i, fb.const(np.int64(mask.window)))))
+    if positions is not None:  # i - j <= positions[b, i]: the key lies in the query's document; [B, 1, 1, S, S]
+        back = fb.op("Sub", i, j)
+        seen = fb.op("And", seen, fb.op("LessOrEqual", back, fb.op("Unsqueeze", positions, fb.ints(1, 2, 4))))
     return fb.op("Where", seen, s, fb.f(MASKED)), t
 
 
-def _forward_body(fb, q, k, v, scale, dims, mask: Mask):
+def _forward_body(fb, q, k, v, scale, dims, mask: Mask, positions=None):
     B, K, G, S, Dh = dims
     # p = softmax(s); lse = m + log(sum exp(s - m)) with m the row max, so p = exp(s - lse).
     # lse feeds only the backward unit: autodiff tools differentiating o see plain Softmax
-    s, _ = _masked_scores(fb, q, k, scale, dims, mask)
+    s, _ = _masked_scores(fb, q, k, scale, dims, mask, positions)
     p = fb.reshape(fb.op("Softmax", s, axis=-1), B, K, G * S, S)
     o = _ungrouped(fb, fb.matmul(p, fb.transpose(v, 0, 2, 1, 3)), dims, K * G)
     m = fb.op("ReduceMax", s, fb.ints(-1), keepdims=1)
@@ -123,10 +151,10 @@ def _forward_body(fb, q, k, v, scale, dims, mask: Mask):
     return o, lse
 
 
-def _backward_body(fb, q, k, v, o, do, lse, scale, dims, mask: Mask):
+def _backward_body(fb, q, k, v, o, do, lse, scale, dims, mask: Mask, positions=None):
     B, K, G, S, Dh = dims
     # p recomputed from lse; masked entries give exp(-1e30 - lse) = 0 exactly
-    s, t = _masked_scores(fb, q, k, scale, dims, mask)
+    s, t = _masked_scores(fb, q, k, scale, dims, mask, positions)
     p = fb.op("Exp", fb.op("Sub", s, fb.reshape(lse, B, K, G, S, 1)))
     p4 = fb.reshape(p, B, K, G * S, S)
     dog = _grouped(fb, do, dims)

@@ -87,8 +87,10 @@ def _start(fam, spec, train, dtype, kind):
         raise ValueError(f"graph dtype must be float32 or float64, got {dtype!r}")
     g = GraphBuilder(f"lorac_{kind}_{spec.arch}", str(dtype))
     ids = g.input("input_ids", [train.batch, train.seq], INT64)
+    # packed rows of isolated documents: each token's position in its document (docs/DATA.md)
+    positions = g.input("position_ids", [train.batch, train.seq], INT64) if train.packing == "isolated" else None
     embed, layers, final_norm, head = fam.declare_weights(g, spec, train)
-    c = fam.Ctx(g, spec, train)
+    c = fam.Ctx(g, spec, train, positions)
     g.scope = "fwd"
     return g, c, layers, final_norm, head, fam.embed(g, embed, ids, spec, train)
 

@@ -12,7 +12,7 @@ from .builder import GraphBuilder
 from .linear import Proj, add_lora, linear_backward, linear_forward, linear_group_forward
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
-from .rope import rope_backward, rope_forward, rope_tables
+from .rope import rope_at, rope_backward, rope_forward, rope_tables
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
 
 
@@ -49,15 +49,21 @@ class Saved:
 
 
 class Ctx:
-    """What every layer shares: builder, specs, constants."""
+    """What every layer shares: builder, specs, constants; with packed documents
+    (`positions`, the graph input position_ids [B, S]) the RoPE rows of every token and
+    the positions the attention units mask by."""
 
-    def __init__(self, g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
+    def __init__(self, g: GraphBuilder, spec: ModelSpec, train: TrainSpec, positions=None):
         self.g, self.spec, self.train = g, spec, train
         B, S = train.batch, train.seq
         self.dims = (B, spec.kv_heads, spec.group, S, spec.head_dim)
         cos, sin = rope_tables(S, spec.head_dim, spec.rope_theta)
-        # [S, 1, Dh]: broadcast over the heads of token-major [B, S, heads, Dh] activations
-        self.cos, self.sin = g.fconst(cos[:, None, :]), g.fconst(sin[:, None, :])
+        self.positions = positions
+        if positions is None:
+            # [S, 1, Dh]: broadcast over the heads of token-major [B, S, heads, Dh] activations
+            self.cos, self.sin = g.fconst(cos[:, None, :]), g.fconst(sin[:, None, :])
+        else:  # [B, S, 1, Dh]: each token's own row (positions < S)
+            self.cos, self.sin = rope_at(g, g.fconst(cos), g.fconst(sin), positions)
 
 
 def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
@@ -105,7 +111,8 @@ def layer_forward(c: Ctx, x, L: Layer):
         k4, nk = rmsnorm_forward(g, k4, L.k_norm, spec.rms_eps)
     qr = rope_forward(g, q4, c.cos, c.sin, Dh)
     kr = rope_forward(g, k4, c.cos, c.sin, Dh)
-    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims, mask=Mask(window=spec.sliding_window))
+    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims, mask=Mask(window=spec.sliding_window),
+                                positions=c.positions)
     a2 = g.reshape(att, N, K * G * Dh)
     o, uo = linear_forward(g, a2, L.proj["o_proj"])
     x1 = g.op("Add", x, o)

@@ -85,7 +85,8 @@ def scan_chunk(spec: MambaSpec, train: TrainSpec) -> int:
 
 
 class Ctx:
-    def __init__(self, g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
+    def __init__(self, g: GraphBuilder, spec: MambaSpec, train: TrainSpec, positions=None):
+        # positions: always None (TrainSpec.validate refuses packing="isolated" for Mamba)
         self.g, self.spec, self.train = g, spec, train
         self.scan = ScanDims(train.batch, train.seq, spec.intermediate, spec.state, scan_chunk(spec, train))
 

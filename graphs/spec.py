@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS
+PACKINGS = ("plain", "isolated")  # TrainSpec.packing
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ class TrainSpec:
     checkpointing: bool = False
     keep_layers: int = 0  # with checkpointing: the highest trained layers that keep their activations
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
+    # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
+    # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
+    packing: str = "plain"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -155,6 +159,12 @@ class TrainSpec:
                              "without checkpointing every layer keeps them")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        from .families import for_spec
+        if self.packing == "isolated" and not for_spec(spec).PACKING_ISOLATED:
+            raise ValueError(f"--packing isolated is not implemented for {spec.arch} (its layers carry state "
+                             "across documents); use --packing plain")
 
 
 def lora_name(layer: int, target: str, which: str) -> str:

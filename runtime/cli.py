@@ -31,6 +31,9 @@ TRAIN_HELP = {
     "out": "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked while a run writes there)",
     "steps": "optimizer steps", "batch": "sequences per micro-batch; with --gpus N, of all workers together (--per-device-train-batch-size: "
              "per worker, as in TRL)", "seq": "tokens per sequence",
+    "packing": "how documents share a packed row: isolated (each attends only within itself and its positions "
+               "restart, as TRL's padding-free packing), plain (attention crosses documents), or auto: isolated, "
+               "plain for Mamba (docs/DATA.md)",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": "comma-separated LoRA targets (default: every linear layer of the model's family: "
                + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
@@ -203,9 +206,11 @@ def _engine_from_checkpoint(args):
     if getattr(args, "window", None):
         limits.check_context(args.window, config, "--window")
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
+    from .train import resolve_packing
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
                       lora_targets=tuple(tcfg.get("targets") or spec.targets), rank=tcfg.get("rank", 1),
-                      alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
+                      alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers,
+                      packing=resolve_packing(getattr(args, "packing", None) or tcfg.get("packing"), spec))
     eng = make_engine(args.backend, spec, train, weights, args.target, None, args.cache_dir,
                       log=lambda m: print(m, file=sys.stderr), providers=args.ort_providers)
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
@@ -217,7 +222,8 @@ def _engine_from_checkpoint(args):
 def cmd_eval(args) -> int:
     from .data import load_dataset
     eng, tok, lora, _ = _engine_from_checkpoint(args)
-    data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data)
+    data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data,
+                        packing=eng.train.packing)
     total = count = 0.0
     for b in data.eval_batches(eng.train.batch):
         n = float((b["labels"][:, 1:] != -100).sum())
@@ -293,7 +299,8 @@ def _export_onnx(args) -> int:
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", 128),
                       lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", 16),
-                      alpha=args.alpha or tcfg.get("alpha", 32.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
+                      alpha=args.alpha or tcfg.get("alpha", 32.0), rslora=tcfg.get("rslora", False), trained_layers=layers,
+                      packing=args.packing or tcfg.get("packing") or "plain")
     path = export_onnx(args.out, config, train, args.graph)
     respect_umask(path)
     print(f"exported the {args.graph} graph ({train.batch}x{train.seq}, rank {train.rank}) to {path}")
@@ -327,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--seq", type=int, default=None, help="sequence length (default: the checkpoint's)")
         if name == "eval":
             q.add_argument("--data", required=True, help="data file to score (every document counts)")
+            q.add_argument("--packing", choices=("auto", "plain", "isolated"), default=None,
+                           help="how documents share a row (default: the checkpoint's, else auto; see lorac train --help)")
             q.set_defaults(func=cmd_eval)
         else:
             q.add_argument("--prompt", required=True, help="prompt text (wrapped in the chat template if any)")
@@ -362,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, help="LoRA rank (default: 16)")
     g.add_argument("--alpha", type=float, help="LoRA alpha (default: 32)")
     g.add_argument("--targets", help="comma-separated LoRA targets (default: every linear layer)")
+    g.add_argument("--packing", choices=("plain", "isolated"), help="isolated: the graph also takes position_ids "
+                   "[batch, seq] and keeps attention inside each document (default: the checkpoint's, else plain)")
     q.set_defaults(func=cmd_export)
     return ap
 

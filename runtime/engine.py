@@ -31,6 +31,9 @@ from .artifact import load_artifact
 from .errors import LoracError
 
 
+BATCH_INPUTS = ("input_ids", "labels", "position_ids")  # what a batch feeds (position_ids: isolated packing)
+
+
 def _graphs_digest() -> bytes:
     """sha256 over the source of lorac.graphs and lorac.compiler: any change to an emitter or
     to the compiler changes every key (found without importing the compiler or TVM)."""
@@ -117,6 +120,7 @@ class Graphs:
             c = self.optim_cfg
             return ((lambda: build_optimizer_graph(self.shapes, c)),
                     (self.shapes, tuple(c.betas), c.eps, c.weight_decay, c.max_grad_norm), "float32")
+        # generation: one document a row, so the plain causal graph (no position_ids) is exact
         b, s = (int(x) for x in kind.split(":")[1].split(","))
         t = self.train
         fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
@@ -125,8 +129,8 @@ class Graphs:
 
     @staticmethod
     def _missing_weights(wanted, have) -> None:
-        """One error when the model's weights lack an input (other than ids, labels, LoRA) a graph takes."""
-        missing = [n for n in wanted if n not in have and n not in ("input_ids", "labels") and "lora_" not in n]
+        """One error when the model's weights lack an input (other than the batch's, LoRA) a graph takes."""
+        missing = [n for n in wanted if n not in have and n not in BATCH_INPUTS and "lora_" not in n]
         if missing:
             raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lorac.graphs.spec import PACKINGS  # noqa: F401 - the CLI's help lists them
+
 from .errors import LoracError
 from .files import respect_umask
 from .report import Report, compile_all
@@ -30,6 +32,9 @@ class TrainConfig:
     steps: int = 40
     batch: int = 4
     seq: int = 128
+    # how documents share a packed row: "isolated" (each attends only within itself, positions
+    # restart), "plain" (rows attend across documents), "auto": isolated, plain for Mamba (docs/DATA.md)
+    packing: str = "auto"
     rank: int = 16
     alpha: float = 32.0  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
     rslora: bool = False
@@ -89,6 +94,8 @@ class TrainConfig:
             raise LoracError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        if self.packing not in ("auto",) + PACKINGS:
+            raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
         from .report import check_report_settings
         check_report_settings(self.progress, self.report_to)
         self.check_backend()
@@ -118,6 +125,17 @@ class TrainConfig:
         except ValueError:
             raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
         return range(lo, hi)
+
+
+def resolve_packing(packing: str | None, spec, target: str = "cpu") -> str:
+    """--packing auto (or None) -> "isolated" where the model family implements it and the
+    target runs it at plain packing's cost; "plain" for Mamba (its conv and scan would need
+    their state reset at document starts: not implemented) and on cuda, where the packed
+    attention is not yet on cuDNN (TVM kernels: ~4x the attention time and O(S^2) memory)."""
+    if packing in (None, "auto"):
+        from lorac.graphs.families import for_spec
+        return "isolated" if for_spec(spec).PACKING_ISOLATED and target != "cuda" else "plain"
+    return packing
 
 
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
@@ -157,6 +175,13 @@ class Run:
             cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, targets=a.targets,
                                      trained_layers=a.trained_layers(self.spec.layers))
             self.log(f"adapter: {a.describe()}")
+        packing = resolve_packing(cfg.packing, self.spec, cfg.target)
+        if packing != cfg.packing:  # checkpoints record what ran
+            cfg = self.cfg = replace(cfg, packing=packing)
+        why = " (documents attend only within themselves)" if packing == "isolated" else " (rows attend across documents)"
+        if packing == "isolated" and cfg.target == "cuda":
+            why += "; attention runs as TVM kernels, not cuDNN's (docs/COMPILER.md)"
+        self.log(f"packing: {packing}{why}")
         from lorac.graphs.families import for_spec
         try:  # the family's own options (Mamba's scan chunk)
             extra = for_spec(self.spec).train_extra(cfg.target, cfg.scan_chunk)
@@ -175,7 +200,8 @@ class Run:
                 self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing, keep_layers=cfg.keep_layers, loss_chunk=loss_chunk, extra=extra)
+                                    checkpointing=cfg.checkpointing, keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
+                                    packing=cfg.packing, extra=extra)
         self.train_spec.validate(self.spec)
         from . import limits  # before any compile: an impossible size would only fill memory
         limits.check_context(cfg.seq, self.model_config, "--seq")
@@ -183,7 +209,7 @@ class Run:
         limits.check_memory(self.spec, self.train_spec, sum(int(w.size) for w in weights.values()), cfg.target)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
-                                 eval_path=eval_path)
+                                 eval_path=eval_path, packing=cfg.packing)
         self.eval_path = eval_path
         self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
         self.optim_cfg = LoraPlusConfig(lr=cfg.lr, loraplus_ratio=cfg.loraplus_ratio, weight_decay=cfg.weight_decay,

@@ -30,6 +30,7 @@ A family module defines (llama.py is the model to copy):
   train_extra(target, scan_chunk) -> TrainSpec.extra for this family (ValueError for
                       options it has no use for)
   CONTEXT_LIMITED    whether max_position_embeddings bounds --seq
+  PACKING_ISOLATED   whether --packing isolated is implemented (its graph takes position_ids)
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ REQUIRED = ("MODEL_TYPES", "HF_ARCHITECTURES", "TARGETS", "spec_from_hf", "decla
             "layer_forward", "layer_backward", "lora_tensor_names", "describe", "lora_name", "weight_name",
             "required_tensors", "PEFT_LEFT_OUT", "GGUF_ARCHS", "config_from_gguf", "GGUF_LAYER_NAMES",
             "GGUF_GLOBAL_NAMES", "tensor_from_gguf", "GGUF_TARGETS", "gguf_export", "train_extra",
-            "CONTEXT_LIMITED")
+            "CONTEXT_LIMITED", "PACKING_ISOLATED")
 
 
 @functools.cache

@@ -42,6 +42,7 @@ HF_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}
 TARGETS = llama.TARGETS
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
+PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
 train_extra = no_train_extra("gemma2")
 weight_name = llama.weight_name
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -156,7 +157,7 @@ def layer_forward(c: Ctx, x, L: Layer):
     qr = rope_forward(g, g.reshape(q, B, S, H, Dh), c.cos, c.sin, Dh)
     kr = rope_forward(g, g.reshape(k, B, S, K, Dh), c.cos, c.sin, Dh)
     att, sa = attention_forward(g, qr, kr, g.reshape(v, B, S, K, Dh), c.dims, scale=spec.query_scalar ** -0.5,
-                                mask=L.mask)
+                                mask=L.mask, positions=c.positions)
     a2 = g.reshape(att, N, H * Dh)
     o, u_o = linear_forward(g, a2, L.proj["o_proj"])
     po, n_attn = rmsnorm_forward(g, o, L.norms["post_attention_layernorm"], eps)

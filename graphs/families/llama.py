@@ -19,6 +19,7 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
 TARGETS = ATTN_TARGETS + MLP_TARGETS
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
+PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
 train_extra = no_train_extra("this model")
 
 

@@ -38,6 +38,7 @@ TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 BLOCK = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
+PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
 train_extra = no_train_extra("phi3")
 
 
@@ -136,7 +137,7 @@ def layer_forward(c: Ctx, x, L: Layer):
     k = g.reshape(g.slice(qkv, H * Dh, (H + K) * Dh, 1), B, S, K, Dh)
     v = g.reshape(g.slice(qkv, (H + K) * Dh, (H + 2 * K) * Dh, 1), B, S, K, Dh)
     att, sa = attention_forward(g, rope_forward(g, q, c.cos, c.sin, Dh), rope_forward(g, k, c.cos, c.sin, Dh), v,
-                                c.dims, mask=Mask(window=spec.sliding_window))
+                                c.dims, mask=Mask(window=spec.sliding_window), positions=c.positions)
     a2 = g.reshape(att, N, H * Dh)
     o, u_o = linear_forward(g, a2, L.proj["o_proj"])
     x1 = g.op("Add", x, o)

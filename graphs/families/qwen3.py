@@ -16,6 +16,7 @@ HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM"}
 TARGETS = llama.TARGETS
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
+PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
 train_extra = no_train_extra("qwen3")
 weight_name = llama.weight_name
 
