@@ -33,7 +33,7 @@ TRAIN_HELP = {
              "per worker, as in TRL)", "seq": "tokens per sequence",
     "packing": "how documents share a packed row: isolated (each attends only within itself and its positions "
                "restart, as TRL's padding-free packing), plain (attention crosses documents), or auto: isolated, "
-               "plain for Mamba (docs/DATA.md)",
+               "but plain for Mamba and on cuda, where isolated attention is not yet on cuDNN (docs/DATA.md)",
     "rank": "LoRA rank r", "alpha": "LoRA alpha (scale alpha/r)", "rslora": "scale alpha/sqrt(r) (rsLoRA)",
     "targets": "comma-separated LoRA targets (default: every linear layer of the model's family: "
                + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
@@ -210,7 +210,7 @@ def _engine_from_checkpoint(args):
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
                       lora_targets=tuple(tcfg.get("targets") or spec.targets), rank=tcfg.get("rank", 1),
                       alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers,
-                      packing=resolve_packing(getattr(args, "packing", None) or tcfg.get("packing"), spec))
+                      packing=resolve_packing(getattr(args, "packing", None) or tcfg.get("packing"), spec, args.target))
     eng = make_engine(args.backend, spec, train, weights, args.target, None, args.cache_dir,
                       log=lambda m: print(m, file=sys.stderr), providers=args.ort_providers)
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing

@@ -469,3 +469,15 @@ def test_memory_bound_counts_the_inlined_scores_on_cuda():
     plain = limits.step_bytes_lower_bound(spec, TrainSpec(**kw), 10 ** 6, target="cuda")
     packed = limits.step_bytes_lower_bound(spec, TrainSpec(packing="isolated", **kw), 10 ** 6, target="cuda")
     assert packed - plain == 2 * 4 * 4 * 2048 * 2048
+
+
+def test_auto_packing_by_family_and_target():
+    """auto: isolated where the family has it, plain for Mamba and on cuda (no cuDNN path yet)."""
+    from lorac.runtime.train import resolve_packing
+    qwen = ModelSpec.from_hf_config(CASES["qwen3-gqa3-odd"][0])
+    mamba = ModelSpec.from_hf_config(dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=4,
+                                          num_hidden_layers=2, expand=2, conv_kernel=4))
+    assert resolve_packing("auto", qwen, "cpu") == "isolated"
+    assert resolve_packing(None, qwen, "cuda") == "plain"
+    assert resolve_packing("auto", mamba, "cpu") == "plain"
+    assert resolve_packing("isolated", qwen, "cuda") == "isolated"
