@@ -14,33 +14,93 @@ maps each unit whole to cuDNN's fused SDPA forward/backward (lorac.compiler.unit
 Inside a body, q [B, H, S, Dh] is viewed as [B, K, G*S, Dh] (HF's repeat_kv gives query
 head k*G+g the kv head k), so each kv head meets its G query heads in one batched
 matmul: no copies of k/v, and dk, dv sum over the group inside the matmul.
+
+Two variants (Gemma 2, Phi-3, Mistral past its window) are units of their own names, which
+the CUDA build inlines (cuDNN's SDPA is not asked for them; docs/COMPILER.md):
+- soft-capping: scores c * tanh(s / c) before the mask (`softcap` c),
+- a sliding window: query i sees keys j with i - window < j <= i (HF's sliding-window
+  mask), applied only when the window is shorter than the sequence.
+
+Packed rows (`--packing isolated`, docs/DATA.md): the packed units ("Packed" before the
+name) take the rows' position ids pos [B, S] (int64) before the scale, numbered 0, 1, ...
+from each document's start as HF's padding-free collator does. A query at index i with
+position p = pos[b, i] began its document at index i - p, so it sees exactly the keys j
+with i - p <= j <= i: causal AND same document (a block-diagonal causal mask), with no
+document ids needed. Only the mask differs, so the forward and backward bodies are the
+same (a masked score is -1e30 and its probability exactly 0 in both); every query sees at
+least itself, so no softmax row is empty. The CUDA build inlines the packed units too
+(cuDNN's SDPA mapping covers only the plain causal mask: docs/COMPILER.md).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 MASKED = -1e30  # finite: exp underflows to exactly 0, and no inf-inf NaNs in any dtype
 
 
-def _variant(dims, np_float) -> str:
+@dataclass(frozen=True)
+class Mask:
+    """What the scores see besides q k^T: a tanh soft-cap and a sliding window (None: neither),
+    and whether rows are packed documents (the unit then takes position ids)."""
+    softcap: float | None = None
+    window: int | None = None
+    packed: bool = False
+
+    def unit(self, seq: int) -> str:
+        """The unit's name: plain causal attention is the one cuDNN runs on CUDA."""
+        return (("Packed" if self.packed else "") + "CausalAttention" + ("Softcap" if self.softcap else "")
+                + ("Window" if self.windowed(seq) else ""))
+
+    def windowed(self, seq: int) -> bool:
+        return self.window is not None and self.window < seq
+
+
+def _variant(dims, np_float, mask: Mask) -> str:
     B, K, G, S, Dh = dims
-    return f"B={B} S={S} K={K} G={G} Dh={Dh} {np.dtype(np_float).name}"
+    extra = (f" softcap={mask.softcap}" if mask.softcap else "") + (f" window={mask.window}" if mask.windowed(S) else "")
+    return f"B={B} S={S} K={K} G={G} Dh={Dh} {np.dtype(np_float).name}{extra}"
 
 
-def attention_forward(g, q, k, v, dims, scale: float | None = None):
-    """(o [B, S, H, Dh], saved for the backward)."""
+@dataclass
+class AttentionSaved:
+    """What the backward unit reads: the unit's inputs, its output and the row log-sum-exp."""
+    q: object
+    k: object
+    v: object
+    o: object
+    lse: object
+    scale: object
+    mask: Mask
+    positions: object = None  # packed rows: the position ids [B, S]
+
+
+def attention_forward(g, q, k, v, dims, scale: float | None = None, mask: Mask = Mask(), positions=None):
+    """(o [B, S, H, Dh], saved for the backward). `positions` [B, S] int64: packed rows, each
+    query attends only within its own document (the packed units)."""
     scale = dims[4] ** -0.5 if scale is None else scale
     c = g.f(scale)
-    o, lse = g.call("CausalAttention", _variant(dims, g.np_float), [q, k, v, c], 2,
-                    lambda fb, *x: _forward_body(fb, *x, dims))
-    return o, (q, k, v, o, lse, c)
+    if positions is not None:
+        mask = replace(mask, packed=True)
+        body = lambda fb, q_, k_, v_, pos, c_: _forward_body(fb, q_, k_, v_, c_, dims, mask, pos)
+    else:
+        body = lambda fb, *x: _forward_body(fb, *x, dims, mask)
+    ins = [q, k, v] + ([positions] if positions is not None else []) + [c]
+    o, lse = g.call(mask.unit(dims[3]), _variant(dims, g.np_float, mask), ins, 2, body)
+    return o, AttentionSaved(q, k, v, o, lse, c, mask, positions)
 
 
-def attention_backward(g, do, saved, dims):
+def attention_backward(g, do, saved: AttentionSaved, dims):
     """do = dLoss/do [B, S, H, Dh] -> (dq, dk, dv) in the layouts of q, k, v."""
-    q, k, v, o, lse, c = saved
-    return g.call("CausalAttentionGrad", _variant(dims, g.np_float), [q, k, v, o, do, lse, c], 3,
-                  lambda fb, *x: _backward_body(fb, *x, dims))
+    s, mask = saved, saved.mask
+    if s.positions is not None:
+        ins = [s.q, s.k, s.v, s.o, do, s.lse, s.positions, s.scale]
+        body = lambda fb, q, k, v, o, do_, lse, pos, c: _backward_body(fb, q, k, v, o, do_, lse, c, dims, mask, pos)
+    else:
+        ins = [s.q, s.k, s.v, s.o, do, s.lse, s.scale]
+        body = lambda fb, *x: _backward_body(fb, *x, dims, mask)
+    return g.call(mask.unit(dims[3]) + "Grad", _variant(dims, g.np_float, mask), ins, 3, body)
 
 
 # -- the unit bodies (default-domain ONNX) ------------------------------------------------
@@ -56,21 +116,33 @@ def _ungrouped(fb, x, dims, heads):
     return fb.transpose(fb.reshape(x, B, heads, S, Dh), 0, 2, 1, 3)
 
 
-def _masked_scores(fb, q, k, scale, dims):
-    """scale * q k^T as [B, K, G, S, S], -1e30 above the diagonal (position j > i)."""
+def _masked_scores(fb, q, k, scale, dims, mask: Mask, positions=None):
+    """(scores [B, K, G, S, S] with -1e30 where key j is not seen by query i, t = tanh(s/c)
+    before masking or None without a soft-cap). Seen: j <= i, and i - j < window if any,
+    and with `positions` [B, S] j >= i - positions[i] (the query's document)."""
     B, K, G, S, Dh = dims
     s = fb.matmul(_grouped(fb, q, dims), fb.transpose(k, 0, 2, 3, 1))  # [B, K, G*S, S]
     s = fb.reshape(fb.op("Mul", s, scale), B, K, G, S, S)
+    t = None
+    if mask.softcap:  # s <- c tanh(s / c), as HF's eager attention does before the mask
+        t = fb.op("Tanh", fb.op("Mul", s, fb.f(1.0 / mask.softcap)))
+        s = fb.op("Mul", t, fb.f(mask.softcap))
     pos = fb.op("Range", fb.const(np.int64(0)), fb.const(np.int64(S)), fb.const(np.int64(1)))
-    mask = fb.op("LessOrEqual", fb.op("Unsqueeze", pos, fb.ints(0)), fb.op("Unsqueeze", pos, fb.ints(1)))
-    return fb.op("Where", mask, s, fb.f(MASKED))
+    j, i = fb.op("Unsqueeze", pos, fb.ints(0)), fb.op("Unsqueeze", pos, fb.ints(1))
+    seen = fb.op("LessOrEqual", j, i)
+    if mask.windowed(S):
+        seen = fb.op("And", seen, fb.op("Greater", j, fb.op("Sub", i, fb.const(np.int64(mask.window)))))
+    if positions is not None:  # i - j <= positions[b, i]: the key lies in the query's document; [B, 1, 1, S, S]
+        back = fb.op("Sub", i, j)
+        seen = fb.op("And", seen, fb.op("LessOrEqual", back, fb.op("Unsqueeze", positions, fb.ints(1, 2, 4))))
+    return fb.op("Where", seen, s, fb.f(MASKED)), t
 
 
-def _forward_body(fb, q, k, v, scale, dims):
+def _forward_body(fb, q, k, v, scale, dims, mask: Mask, positions=None):
     B, K, G, S, Dh = dims
     # p = softmax(s); lse = m + log(sum exp(s - m)) with m the row max, so p = exp(s - lse).
     # lse feeds only the backward unit: autodiff tools differentiating o see plain Softmax
-    s = _masked_scores(fb, q, k, scale, dims)
+    s, _ = _masked_scores(fb, q, k, scale, dims, mask, positions)
     p = fb.reshape(fb.op("Softmax", s, axis=-1), B, K, G * S, S)
     o = _ungrouped(fb, fb.matmul(p, fb.transpose(v, 0, 2, 1, 3)), dims, K * G)
     m = fb.op("ReduceMax", s, fb.ints(-1), keepdims=1)
@@ -79,10 +151,10 @@ def _forward_body(fb, q, k, v, scale, dims):
     return o, lse
 
 
-def _backward_body(fb, q, k, v, o, do, lse, scale, dims):
+def _backward_body(fb, q, k, v, o, do, lse, scale, dims, mask: Mask, positions=None):
     B, K, G, S, Dh = dims
     # p recomputed from lse; masked entries give exp(-1e30 - lse) = 0 exactly
-    s = _masked_scores(fb, q, k, scale, dims)
+    s, t = _masked_scores(fb, q, k, scale, dims, mask, positions)
     p = fb.op("Exp", fb.op("Sub", s, fb.reshape(lse, B, K, G, S, 1)))
     p4 = fb.reshape(p, B, K, G * S, S)
     dog = _grouped(fb, do, dims)
@@ -91,8 +163,10 @@ def _backward_body(fb, q, k, v, o, do, lse, scale, dims):
     dp = fb.reshape(fb.matmul(dog, fb.transpose(v, 0, 2, 3, 1)), B, K, G, S, S)
     # softmax: ds = p * (dp - sum_j p dp), and sum_j p_ij dp_ij = do_i . o_i (rowsum D)
     rowsum = fb.reshape(fb.transpose(fb.reduce_sum(fb.op("Mul", do, o), -1), 0, 2, 1, 3), B, K, G, S, 1)
-    ds = fb.op("Mul", fb.op("Mul", p, fb.op("Sub", dp, rowsum)), scale)
-    ds = fb.reshape(ds, B, K, G * S, S)
+    ds = fb.op("Mul", p, fb.op("Sub", dp, rowsum))
+    if t is not None:  # soft-cap c tanh(x / c): d/dx = 1 - t^2 (t from the unmasked scores; ds is 0 where masked)
+        ds = fb.op("Mul", ds, fb.op("Sub", fb.f(1.0), fb.op("Mul", t, t)))
+    ds = fb.reshape(fb.op("Mul", ds, scale), B, K, G * S, S)
     # s = c q k^T: dq = ds k, dk = ds^T q
     dq = fb.matmul(ds, fb.transpose(k, 0, 2, 1, 3))
     dk = fb.matmul(fb.transpose(ds, 0, 1, 3, 2), _grouped(fb, q, dims))

@@ -1,6 +1,7 @@
 """How every model family becomes one graph: the public `build_*_graph` functions.
 
-A family module (graphs/decoder.py, graphs/mamba.py) provides `declare_weights`, `Ctx`,
+A family module (graphs/families/: llama.py and qwen3.py through graphs/decoder.py,
+mamba.py through graphs/mamba.py, ...) provides `declare_weights`, `Ctx`,
 `embed`, `layer_forward`, `layer_backward`, `lora_tensor_names` and `describe`; this file
 composes them. Emission order is execution order: the forward over all layers (keeping
 what each layer's backward needs, or only the layer input with checkpointing), the head
@@ -13,13 +14,13 @@ import onnx
 
 from .builder import INT64, GraphBuilder
 from .loss import logits_forward, loss_and_grad, loss_only
-from .mamba_spec import MambaSpec
 from .norm import rmsnorm_backward, rmsnorm_forward
 
 
 def family(spec):
-    from . import decoder, mamba
-    return mamba if isinstance(spec, MambaSpec) else decoder
+    """The family module that builds graphs of `spec` (graphs/families/)."""
+    from .families import for_spec
+    return for_spec(spec)
 
 
 def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
@@ -37,10 +38,11 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         g.scope = f"L{L.idx}.fwd"
         inputs.append(x)
         x, s = fam.layer_forward(c, x, L)
-        saved.append(None if (train.checkpointing or L.idx < lowest) else s)
+        saved.append(None if (train.recomputes(spec, L.idx) or L.idx < lowest) else s)
     g.scope = "head"
     hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
-    loss, dhN = loss_and_grad(g, hN, head, labels, train.batch, train.seq, spec.vocab, train.loss_chunk)
+    loss, dhN = loss_and_grad(g, hN, head, labels, train.batch, train.seq, spec.vocab, train.loss_chunk,
+                              spec.logit_softcap)
     dx = rmsnorm_backward(g, dhN, final_norm, nN)
     grads: dict = {}
     for L in reversed(layers[lowest:]):
@@ -60,7 +62,7 @@ def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     """Logits [B, S, V] of base + adapter (eval and generation); same inputs minus labels."""
     fam = family(spec)
     g, hN, head = _forward_only(fam, spec, train, dtype, "forward")
-    g.output(g.reshape(logits_forward(g, hN, head), train.batch, train.seq, spec.vocab), "logits")
+    g.output(g.reshape(logits_forward(g, hN, head, spec.logit_softcap), train.batch, train.seq, spec.vocab), "logits")
     return g.finish(doc=fam.describe(spec, train, "forward"))
 
 
@@ -69,7 +71,8 @@ def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     fam = family(spec)
     g, hN, head = _forward_only(fam, spec, train, dtype, "eval")
     labels = g.input("labels", [train.batch, train.seq], INT64)
-    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk)), "loss")
+    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk, spec.logit_softcap)),
+             "loss")
     return g.finish(doc=fam.describe(spec, train, "eval"))
 
 
@@ -84,8 +87,10 @@ def _start(fam, spec, train, dtype, kind):
         raise ValueError(f"graph dtype must be float32 or float64, got {dtype!r}")
     g = GraphBuilder(f"lorac_{kind}_{spec.arch}", str(dtype))
     ids = g.input("input_ids", [train.batch, train.seq], INT64)
+    # packed rows of isolated documents: each token's position in its document (docs/DATA.md)
+    positions = g.input("position_ids", [train.batch, train.seq], INT64) if train.packing == "isolated" else None
     embed, layers, final_norm, head = fam.declare_weights(g, spec, train)
-    c = fam.Ctx(g, spec, train)
+    c = fam.Ctx(g, spec, train, positions)
     g.scope = "fwd"
     return g, c, layers, final_norm, head, fam.embed(g, embed, ids, spec, train)
 

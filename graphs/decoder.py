@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import attention_backward, attention_forward
+from .attention import Mask, attention_backward, attention_forward
 from .builder import GraphBuilder
 from .linear import Proj, add_lora, linear_backward, linear_forward, linear_group_forward
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
-from .rope import rope_backward, rope_forward, rope_tables
+from .rope import rope_at, rope_backward, rope_forward, rope_tables
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
 
 
@@ -31,16 +31,39 @@ class Layer:
     proj: dict  # target -> Proj
 
 
-class Ctx:
-    """What every layer shares: builder, specs, constants."""
+@dataclass
+class Saved:
+    """What one layer's backward reads (kept by the forward, or recomputed with checkpointing)."""
+    h1: object  # input_layernorm output: q/k/v's input
+    n1: object  # its statistics (norm.py)
+    nq: object  # q_norm / k_norm statistics (qwen3), else None
+    nk: object
+    att: object  # attention.AttentionSaved
+    a2: object  # attention output [N, H Dh]: o_proj's input
+    h2: object  # post_attention_layernorm output: gate/up's input
+    n2: object
+    gate: object
+    up: object
+    act: object  # silu(gate) * up: down_proj's input
+    u: dict  # target -> s x A^T of its LoRA (None if not adapted)
 
-    def __init__(self, g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
+
+class Ctx:
+    """What every layer shares: builder, specs, constants; with packed documents
+    (`positions`, the graph input position_ids [B, S]) the RoPE rows of every token and
+    the positions the attention units mask by."""
+
+    def __init__(self, g: GraphBuilder, spec: ModelSpec, train: TrainSpec, positions=None):
         self.g, self.spec, self.train = g, spec, train
         B, S = train.batch, train.seq
         self.dims = (B, spec.kv_heads, spec.group, S, spec.head_dim)
         cos, sin = rope_tables(S, spec.head_dim, spec.rope_theta)
-        # [S, 1, Dh]: broadcast over the heads of token-major [B, S, heads, Dh] activations
-        self.cos, self.sin = g.fconst(cos[:, None, :]), g.fconst(sin[:, None, :])
+        self.positions = positions
+        if positions is None:
+            # [S, 1, Dh]: broadcast over the heads of token-major [B, S, heads, Dh] activations
+            self.cos, self.sin = g.fconst(cos[:, None, :]), g.fconst(sin[:, None, :])
+        else:  # [B, S, 1, Dh]: each token's own row (positions < S)
+            self.cos, self.sin = rope_at(g, g.fconst(cos), g.fconst(sin), positions)
 
 
 def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
@@ -74,7 +97,7 @@ def _heads(g, x, n_heads, ctx: Ctx):
 
 
 def layer_forward(c: Ctx, x, L: Layer):
-    """x [N, D] -> (x_out [N, D], saved)."""
+    """x [N, D] -> (x_out [N, D], Saved)."""
     g, spec = c.g, c.spec
     B, K, G, S, Dh = c.dims
     N = B * S
@@ -88,7 +111,8 @@ def layer_forward(c: Ctx, x, L: Layer):
         k4, nk = rmsnorm_forward(g, k4, L.k_norm, spec.rms_eps)
     qr = rope_forward(g, q4, c.cos, c.sin, Dh)
     kr = rope_forward(g, k4, c.cos, c.sin, Dh)
-    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims)
+    att, sa = attention_forward(g, qr, kr, _heads(g, v, K, c), c.dims, mask=Mask(window=spec.sliding_window),
+                                positions=c.positions)
     a2 = g.reshape(att, N, K * G * Dh)
     o, uo = linear_forward(g, a2, L.proj["o_proj"])
     x1 = g.op("Add", x, o)
@@ -96,12 +120,11 @@ def layer_forward(c: Ctx, x, L: Layer):
     (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
     act = swiglu_forward(g, gt, up)
     dn, ud = linear_forward(g, act, L.proj["down_proj"])
-    saved = dict(h1=h1, n1=n1, u=dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo, down_proj=ud),
-                 nq=nq, nk=nk, sa=sa, a2=a2, h2=h2, n2=n2, gt=gt, up=up, act=act)
-    return g.op("Add", x1, dn), saved
+    u = dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo, down_proj=ud)
+    return g.op("Add", x1, dn), Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, act, u)
 
 
-def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
+def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     """dy = dLoss/d x_out [N, D] -> dLoss/d x_in (None if not needed); LoRA grads into `grads`."""
     g, spec = c.g, c.spec
     B, K, G, S, Dh = c.dims
@@ -109,33 +132,33 @@ def layer_backward(c: Ctx, dy, L: Layer, s: dict, need_dx: bool, grads: dict):
 
     def proj_back(dout, x, t, want_dx=True):
         p = L.proj[t]
-        dx, da, db = linear_backward(g, dout, x, s["u"][t], p, want_dx)
+        dx, da, db = linear_backward(g, dout, x, s.u[t], p, want_dx)
         if da is not None:
             grads[lora_name(L.idx, t, "A")] = da
             grads[lora_name(L.idx, t, "B")] = db
         return dx
 
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
-    dact = proj_back(dy, s["act"], "down_proj")
-    dgt, dup = swiglu_backward(g, dact, s["gt"], s["up"])
-    dh2 = g.add_all(proj_back(dgt, s["h2"], "gate_proj"), proj_back(dup, s["h2"], "up_proj"))
-    dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s["n2"]))
+    dact = proj_back(dy, s.act, "down_proj")
+    dgt, dup = swiglu_backward(g, dact, s.gate, s.up)
+    dh2 = g.add_all(proj_back(dgt, s.h2, "gate_proj"), proj_back(dup, s.h2, "up_proj"))
+    dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s.n2))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
-    da2 = proj_back(dx1, s["a2"], "o_proj")
-    dqr, dkr, dv4 = attention_backward(g, g.reshape(da2, B, S, K * G, Dh), s["sa"], c.dims)
+    da2 = proj_back(dx1, s.a2, "o_proj")
+    dqr, dkr, dv4 = attention_backward(g, g.reshape(da2, B, S, K * G, Dh), s.att, c.dims)
     dq4 = rope_backward(g, dqr, c.cos, c.sin, Dh)
     dk4 = rope_backward(g, dkr, c.cos, c.sin, Dh)
     if spec.qk_norm:
-        dq4 = rmsnorm_backward(g, dq4, L.q_norm, s["nq"])
-        dk4 = rmsnorm_backward(g, dk4, L.k_norm, s["nk"])
+        dq4 = rmsnorm_backward(g, dq4, L.q_norm, s.nq)
+        dk4 = rmsnorm_backward(g, dk4, L.k_norm, s.nk)
     dq = g.reshape(dq4, N, K * G * Dh)
     dk = g.reshape(dk4, N, K * Dh)
     dv = g.reshape(dv4, N, K * Dh)
-    dh1 = [proj_back(d, s["h1"], t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
+    dh1 = [proj_back(d, s.h1, t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
     if not need_dx:
         return None
     dh1 = g.add_all(*dh1)  # one accumulating GEMM chain on GPUs (compiler/gemm_sum.py)
-    return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s["n1"]))
+    return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s.n1))
 
 
 def embed(g, table, ids, spec, train):

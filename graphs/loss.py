@@ -25,13 +25,23 @@ def shifted_targets(g, labels, batch: int, seq: int):
     return safe, g.op("Div", validf, count)
 
 
-def logits_forward(g, h, head):
-    return g.mm_t(h, head)
+def logits_forward(g, h, head, softcap: float | None = None):
+    """h E^T, soft-capped to c tanh(z / c) when the model says so (Gemma 2's final logits)."""
+    z = g.mm_t(h, head)
+    return z if not softcap else g.op("Mul", g.op("Tanh", g.op("Mul", z, g.f(1.0 / softcap))), g.f(softcap))
 
 
-def ce_forward(g, h, head, safe, weight):
+def softcap_backward(g, dlogits, logits, softcap: float | None):
+    # logits = c tanh(z / c): dz = dlogits (1 - (logits / c)^2)
+    if not softcap:
+        return dlogits
+    t = g.op("Mul", logits, g.f(1.0 / softcap))
+    return g.op("Mul", dlogits, g.op("Sub", g.f(1.0), g.op("Mul", t, t)))
+
+
+def ce_forward(g, h, head, safe, weight, softcap: float | None = None):
     """One chunk: -> (sum of weighted nll [1, 1], (logits, lse) for the backward)."""
-    logits = g.mm_t(h, head)
+    logits = logits_forward(g, h, head, softcap)
     # nll = lse - logit[target] with lse = max + log sum exp(logits - max). exp(logits - max)
     # has the sum as its only reader, so it fuses into that reduction and is never stored
     top = g.op("ReduceMax", logits, g.ints(-1), keepdims=1)
@@ -41,9 +51,9 @@ def ce_forward(g, h, head, safe, weight):
     return g.reduce_sum(g.op("Mul", nll, weight), 0, 1), (logits, lse)
 
 
-def ce_forward_backward(g, h, head, safe, weight, vocab: int):
+def ce_forward_backward(g, h, head, safe, weight, vocab: int, softcap: float | None = None):
     """One chunk: -> (sum of weighted nll [1, 1], dh [n, D])."""
-    loss, (logits, lse) = ce_forward(g, h, head, safe, weight)
+    loss, (logits, lse) = ce_forward(g, h, head, safe, weight, softcap)
     # d loss / d logits = (softmax - onehot(target)) * weight, softmax = exp(logits - lse)
     # recomputed from the logits in the one kernel that writes dlogits (on the H200 keeping
     # exp(logits - max) for this cost a write and a read of a [2048, 151936] fp32 block per
@@ -53,7 +63,7 @@ def ce_forward_backward(g, h, head, safe, weight, vocab: int):
     ids = g.op("Range", g.f(0.0), g.f(float(vocab)), g.f(1.0))
     onehot = g.op("Relu", g.op("Sub", g.f(1.0), g.op("Abs", g.op("Sub", g.op("Cast", safe, to=g.float), ids))))
     dlogits = g.op("Mul", g.op("Sub", g.op("Exp", g.op("Sub", logits, lse)), onehot), weight)
-    return loss, g.matmul(dlogits, head)
+    return loss, g.matmul(softcap_backward(g, dlogits, logits, softcap), head)
 
 
 def auto_chunk(vocab: int, tokens: int, budget: int = 3 << 29) -> int:
@@ -78,26 +88,27 @@ def _sum(g, parts):
     return parts[0] if len(parts) == 1 else g.op("Sum", *parts)
 
 
-def loss_and_grad(g, h, head, labels, batch: int, seq: int, vocab: int, chunk: int):
+def loss_and_grad(g, h, head, labels, batch: int, seq: int, vocab: int, chunk: int, softcap: float | None = None):
     """Mean masked CE over all tokens -> (loss [1, 1], dh [N, D]); `chunk` tokens per piece (0: all)."""
     safe, weight = shifted_targets(g, labels, batch, seq)
     losses, grads = [], []
     for pick in _chunks(g, batch * seq, chunk):
-        part, dh = ce_forward_backward(g, pick(h), head, pick(safe), pick(weight), vocab)
+        part, dh = ce_forward_backward(g, pick(h), head, pick(safe), pick(weight), vocab, softcap)
         losses.append(part)
         grads.append(dh)
     return _sum(g, losses), grads[0] if len(grads) == 1 else g.op("Concat", *grads, axis=0)
 
 
-def ce_loss(g, h, head, safe, weight):
+def ce_loss(g, h, head, safe, weight, softcap: float | None = None):
     """One chunk of the eval loss through ONNX LogSoftmax (nothing kept for a backward);
     an independent formulation, so autodiff oracles differentiate something other than
     the expression the hand-derived backward was written against."""
-    logp = g.op("LogSoftmax", g.mm_t(h, head), axis=-1)
+    logp = g.op("LogSoftmax", logits_forward(g, h, head, softcap), axis=-1)
     return g.reduce_sum(g.op("Mul", g.op("Neg", g.op("GatherElements", logp, safe, axis=1)), weight), 0, 1)
 
 
-def loss_only(g, h, head, labels, batch: int, seq: int, chunk: int):
+def loss_only(g, h, head, labels, batch: int, seq: int, chunk: int, softcap: float | None = None):
     """Mean masked CE without the gradient (eval) -> loss [1, 1]."""
     safe, weight = shifted_targets(g, labels, batch, seq)
-    return _sum(g, [ce_loss(g, pick(h), head, pick(safe), pick(weight)) for pick in _chunks(g, batch * seq, chunk)])
+    return _sum(g, [ce_loss(g, pick(h), head, pick(safe), pick(weight), softcap)
+                    for pick in _chunks(g, batch * seq, chunk)])

@@ -55,6 +55,28 @@ class MambaLayer:
     proj: dict  # target -> Proj
 
 
+@dataclass
+class MambaSaved:
+    """What one layer's backward reads (kept by the forward, or recomputed with checkpointing)."""
+    h: object  # norm output: in_proj's input
+    nrm: object  # its statistics (norm.py)
+    z: object  # the gate half of in_proj's output [N, I]
+    xc: object  # conv output before silu [B, S, I]
+    sig: object  # sigmoid(xc)
+    u: object  # silu(xc) [B, S, I]: the scan's input
+    u2: object  # u as [N, I]: x_proj's input
+    dtr: object  # dt_proj's input [N, R]
+    Bm: object  # [B, S, M]
+    Cm: object
+    dtp: object  # dt before softplus [N, I]
+    dt: object  # [B, S, I]
+    A: object  # -exp(A_log) [I, M]
+    h0: object  # the scan's saved chunk states (scan.py)
+    y2: object  # scan output [N, I]
+    gated: object  # silu(z) * y: out_proj's input
+    lora: dict  # target -> s x A^T of its LoRA (None if not adapted)
+
+
 def scan_chunk(spec: MambaSpec, train: TrainSpec) -> int:
     L = train.extra.get("scan_chunk", DEFAULT_CHUNK)
     if not isinstance(L, int) or isinstance(L, bool) or L < 1:
@@ -63,7 +85,8 @@ def scan_chunk(spec: MambaSpec, train: TrainSpec) -> int:
 
 
 class Ctx:
-    def __init__(self, g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
+    def __init__(self, g: GraphBuilder, spec: MambaSpec, train: TrainSpec, positions=None):
+        # positions: always None (TrainSpec.validate refuses packing="isolated" for Mamba)
         self.g, self.spec, self.train = g, spec, train
         self.scan = ScanDims(train.batch, train.seq, spec.intermediate, spec.state, scan_chunk(spec, train))
 
@@ -126,13 +149,12 @@ def layer_forward(c: Ctx, x, L: MambaLayer):
     y2 = g.reshape(y, N, I)
     gated = swiglu_forward(g, z, y2)  # silu(z) * y
     o, u_out = linear_forward(g, gated, L.proj["out_proj"])
-    saved = dict(h=h, nrm=nrm, z=z, xc=xc, sig=sig, u=u, u2=u2, dtr=dtr, Bm=Bm, Cm=Cm, dtp=dtp, dt=dt, A=A,
-                 h0=h0, y2=y2, gated=gated,
-                 lora=dict(in_proj=u_in, x_proj=u_x, dt_proj=u_dt, out_proj=u_out))
+    saved = MambaSaved(h, nrm, z, xc, sig, u, u2, dtr, Bm, Cm, dtp, dt, A, h0, y2, gated,
+                       lora=dict(in_proj=u_in, x_proj=u_x, dt_proj=u_dt, out_proj=u_out))
     return g.op("Add", x, o), saved
 
 
-def layer_backward(c: Ctx, dy, L: MambaLayer, s: dict, need_dx: bool, grads: dict):
+def layer_backward(c: Ctx, dy, L: MambaLayer, s: MambaSaved, need_dx: bool, grads: dict):
     """dy = dLoss/d x_out [N, D] -> dLoss/d x_in (None if not needed); LoRA grads into `grads`.
 
     Without need_dx (lowest trained layer) the backward stops at the deepest adapted projection.
@@ -143,38 +165,38 @@ def layer_backward(c: Ctx, dy, L: MambaLayer, s: dict, need_dx: bool, grads: dic
     depth = 4 if need_dx else max(_DEPTH[t] for t, p in L.proj.items() if p.a is not None)
 
     def proj_back(dout, x, t, want_dx):
-        dx, da, db = linear_backward(g, dout, x, s["lora"][t], L.proj[t], want_dx)
+        dx, da, db = linear_backward(g, dout, x, s.lora[t], L.proj[t], want_dx)
         if da is not None:
             grads[lora_name(L.idx, t, "A")] = da
             grads[lora_name(L.idx, t, "B")] = db
         return dx
 
     # x_out = x + out_proj(silu(z) y)
-    dgated = proj_back(dy, s["gated"], "out_proj", depth >= 1)
+    dgated = proj_back(dy, s.gated, "out_proj", depth >= 1)
     if depth < 1:
         return None
-    dz, dy2 = swiglu_backward(g, dgated, s["z"], s["y2"])
-    du, ddt, dBm, dCm = scan_backward(g, g.reshape(dy2, B, S, I), s["u"], s["dt"], s["A"], s["Bm"], s["Cm"], L.d,
-                                      s["h0"], d)
+    dz, dy2 = swiglu_backward(g, dgated, s.z, s.y2)
+    du, ddt, dBm, dCm = scan_backward(g, g.reshape(dy2, B, S, I), s.u, s.dt, s.A, s.Bm, s.Cm, L.d,
+                                      s.h0, d)
     # dt = softplus(dtp): softplus' = sigmoid
-    ddtp = g.op("Mul", g.reshape(ddt, N, I), g.op("Sigmoid", s["dtp"]))
-    ddtr = proj_back(ddtp, s["dtr"], "dt_proj", depth >= 2)
+    ddtp = g.op("Mul", g.reshape(ddt, N, I), g.op("Sigmoid", s.dtp))
+    ddtr = proj_back(ddtp, s.dtr, "dt_proj", depth >= 2)
     if depth < 2:
         return None
     ddbc = g.op("Concat", ddtr, g.reshape(dBm, N, M), g.reshape(dCm, N, M), axis=1)
-    du2 = proj_back(ddbc, s["u2"], "x_proj", depth >= 3)
+    du2 = proj_back(ddbc, s.u2, "x_proj", depth >= 3)
     if depth < 3:
         return None
     du = g.op("Add", du, g.reshape(du2, B, S, I))
     # kept: the conv backward reads dxc at K shifts; fused, the silu backward and the sums
     # before it were computed K times per output, and with the concat below both halves'
     # chains for every element (19 ms of a layer's CPU backward at 4x256)
-    dxc = g.kept(silu_backward(g, du, s["xc"], s["sig"]))
+    dxc = g.kept(silu_backward(g, du, s.xc, s.sig))
     dxs = g.reshape(conv_backward(g, dxc, L.conv_w, S, I, sp.conv_kernel), N, I)
-    dh = proj_back(g.op("Concat", dxs, dz, axis=1), s["h"], "in_proj", need_dx)
+    dh = proj_back(g.op("Concat", dxs, dz, axis=1), s.h, "in_proj", need_dx)
     if not need_dx:
         return None
-    return g.op("Add", dy, rmsnorm_backward(g, dh, L.norm, s["nrm"]))
+    return g.op("Add", dy, rmsnorm_backward(g, dh, L.norm, s.nrm))
 
 
 def lora_tensor_names(spec: MambaSpec, train: TrainSpec) -> list[str]:

@@ -31,7 +31,7 @@ class MambaSpec:
     bos_id: int | None = None
     eos_id: int | None = None
     arch: str = "mamba"
-    sliding_window: None = None  # TrainSpec.validate asks every spec; a scan has no window
+    logit_softcap: None = None  # the head's logits are not soft-capped
 
     @property
     def targets(self) -> tuple[str, ...]:

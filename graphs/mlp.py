@@ -1,4 +1,5 @@
-"""SwiGLU activation a = silu(gate) * up, forward and backward. Shapes: gate, up [N, I]."""
+"""Gated MLP activations, forward and backward: SwiGLU a = silu(gate) * up (Llama, Qwen, Phi-3)
+and GeGLU a = gelu_tanh(gate) * up (Gemma 2). Shapes: gate, up [N, I]."""
 from __future__ import annotations
 
 
@@ -19,3 +20,30 @@ def swiglu_backward(g, da, gate, up):
     dgate = g.op("Mul", g.op("Mul", da, up), dsilu)
     dup = g.op("Mul", da, g.op("Mul", gate, g.op("Sigmoid", gate)))
     return dgate, dup
+
+
+GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+GELU_A = 0.044715
+
+
+def geglu_forward(g, gate, up):
+    # a = gelu_tanh(gate) * up, gelu_tanh(x) = x/2 (1 + tanh(c (x + a x^3))) (HF "gelu_pytorch_tanh").
+    # As for SwiGLU, only gate and up are kept: the backward recomputes the tanh
+    return g.op("Mul", _gelu_tanh(g, gate)[0], up)
+
+
+def _gelu_tanh(g, x):
+    """(gelu_tanh(x), t = tanh(c (x + a x^3)))."""
+    x2 = g.op("Mul", x, x)
+    t = g.op("Tanh", g.op("Mul", g.op("Mul", x, g.op("Add", g.f(1.0), g.op("Mul", x2, g.f(GELU_A)))), g.f(GELU_C)))
+    return g.op("Mul", g.op("Mul", x, g.f(0.5)), g.op("Add", g.f(1.0), t)), t
+
+
+def geglu_backward(g, da, gate, up):
+    # gelu_tanh'(x) = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3a x^2); dgate = da up gelu', dup = da gelu(gate)
+    gelu, t = _gelu_tanh(g, gate)
+    one = g.f(1.0)
+    inner = g.op("Mul", g.op("Add", one, g.op("Mul", g.op("Mul", gate, gate), g.f(3 * GELU_A))), g.f(GELU_C))
+    dgelu = g.op("Add", g.op("Mul", g.op("Add", one, t), g.f(0.5)),
+                 g.op("Mul", g.op("Mul", g.op("Mul", gate, g.f(0.5)), g.op("Sub", one, g.op("Mul", t, t))), inner))
+    return g.op("Mul", g.op("Mul", da, up), dgelu), g.op("Mul", da, gelu)

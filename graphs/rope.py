@@ -4,6 +4,9 @@ Shapes: x [..., Dh] with the sequence axis where cos, sin broadcast to it: [S, D
 [B, h, S, Dh], [S, 1, Dh] for token-major [B, S, h, Dh] (both halves repeat the same
 frequencies).
 rot(x) = concat(-x2, x1) for halves x1, x2 of the last axis.
+Packed rows (docs/DATA.md) number each document's tokens from 0: rope_at gathers the
+table rows at the rows' position ids, [B, S, 1, Dh], and the same forward and backward
+apply (positions are integers, with no gradient).
 """
 from __future__ import annotations
 
@@ -17,6 +20,13 @@ def rope_tables(seq: int, head_dim: int, theta: float):
     freqs = np.arange(seq, dtype=np.float32)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def rope_at(g, cos, sin, positions):
+    """cos, sin [P, Dh] tables read at positions [B, S] (int64, each < P) -> [B, S, 1, Dh]
+    each, broadcast over the heads of token-major [B, S, heads, Dh] activations."""
+    at = lambda table: g.op("Unsqueeze", g.op("Gather", table, positions, axis=0), g.ints(2))
+    return at(cos), at(sin)
 
 
 def _halves(g, x, half: int):

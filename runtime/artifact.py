@@ -90,6 +90,8 @@ class Step:
                 lo = -100 if spec["name"] == "labels" else 0  # -100: ignored label
                 if arr.max() >= self._vocab or arr.min() < lo or (lo < 0 and ((arr < 0) & (arr != -100)).any()):
                     raise LoracError(f"input {spec['name']}: values outside [0, {self._vocab})")
+            if spec["name"] == "position_ids" and arr.size and (arr.min() < 0 or arr.max() >= want_shape[-1]):
+                raise LoracError(f"input position_ids: values outside [0, {want_shape[-1]})")
             if arr.dtype != _np_dtype(want_dtype):
                 # floats convert (fp32 weights upload as bf16 to a bf16 artifact); ints of
                 # another width convert; float <-> int never does, that is a caller bug

@@ -13,12 +13,12 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from lorac.core.settings import help_of
+
 from . import devices
 from .errors import LoracError
 from .export_onnx import GRAPHS
 from .files import respect_umask
-from lorac.core.settings import help_of
-
 from .train import TrainConfig
 
 # the spellings of TRL's SFTConfig / transformers' TrainingArguments and PEFT's LoraConfig, as
@@ -168,9 +168,11 @@ def _engine_from_checkpoint(args):
     if getattr(args, "window", None):
         limits.check_context(args.window, config, "--window")
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
+    from .train import resolve_packing
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
                       lora_targets=tuple(_saved_targets(tcfg) or spec.targets), rank=tcfg.get("rank", 1),
-                      alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers)
+                      alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers,
+                      packing=resolve_packing(getattr(args, "packing", None) or tcfg.get("packing"), spec, args.target))
     eng = make_engine(args.backend, spec, train, weights, args.target, None, args.cache_dir,
                       log=lambda m: print(m, file=sys.stderr), providers=args.ort_providers)
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
@@ -182,7 +184,8 @@ def _engine_from_checkpoint(args):
 def cmd_eval(args) -> int:
     from .data import load_dataset
     eng, tok, lora, _ = _engine_from_checkpoint(args)
-    data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data)
+    data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data,
+                        packing=eng.train.packing)
     total = count = 0.0
     for b in data.eval_batches(eng.train.batch):
         n = float((b["labels"][:, 1:] != -100).sum())
@@ -258,7 +261,8 @@ def _export_onnx(args) -> int:
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", DEFAULTS.seq),
                       lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", DEFAULTS.rank),
-                      alpha=args.alpha or tcfg.get("alpha", DEFAULTS.alpha), rslora=tcfg.get("rslora", False), trained_layers=layers)
+                      alpha=args.alpha or tcfg.get("alpha", DEFAULTS.alpha), rslora=tcfg.get("rslora", False),
+                      trained_layers=layers, packing=args.packing or tcfg.get("packing") or "plain")
     path = export_onnx(args.out, config, train, args.graph)
     respect_umask(path)
     print(f"exported the {args.graph} graph ({train.batch}x{train.seq}, rank {train.rank}) to {path}")
@@ -294,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--seq", type=int, default=None, help="sequence length (default: the checkpoint's)")
         if name == "eval":
             q.add_argument("--data", required=True, help="data file to score (every document counts)")
+            q.add_argument("--packing", choices=("auto", "plain", "isolated"), default=None,
+                           help="how documents share a row (default: the checkpoint's, else auto; see lorac train --help)")
             q.set_defaults(func=cmd_eval)
         else:
             q.add_argument("--prompt", required=True, help="prompt text (wrapped in the chat template if any)")
@@ -329,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, help=f"LoRA rank (default: {DEFAULTS.rank})")
     g.add_argument("--alpha", type=float, help=f"LoRA alpha (default: {DEFAULTS.alpha:g})")
     g.add_argument("--targets", help="comma-separated LoRA targets (default: every linear layer)")
+    g.add_argument("--packing", choices=("plain", "isolated"), help="isolated: the graph also takes position_ids "
+                   "[batch, seq] and keeps attention inside each document (default: the checkpoint's, else plain)")
     q.set_defaults(func=cmd_export)
     return ap
 

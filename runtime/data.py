@@ -12,10 +12,16 @@ does not count. Every document ends with EOS (a chat rendering that already clos
 it gets none added), so packed rows carry EOS separators; the model learns to stop.
 
 Streaming: files are read a line at a time and tokenized in chunks of documents; the
-tokens go to two flat files (ids int32, mask uint8) per split in a cache folder and are
-read back memory-mapped, so memory stays bounded for any corpus size. A row is the slice
-[r*S, (r+1)*S) of the split's token stream; the last partial row is padded with EOS
-whose labels are -100.
+tokens go to flat files (ids int32, mask uint8, document starts int64) per split in a
+cache folder and are read back memory-mapped, so memory stays bounded for any corpus size.
+A row is the slice [r*S, (r+1)*S) of the split's token stream; the last partial row is
+padded with EOS whose labels are -100.
+
+Packing (docs/DATA.md): "plain" rows are just that; "isolated" rows also carry
+position_ids, each document's tokens (its part in the row) numbered from 0, so the graphs
+keep attention inside documents, and the label of each document's first token is -100
+(predicting it from the previous document's tokens is what isolation forbids), as
+transformers' DataCollatorWithFlattening does. The padding is a document of its own.
 
 The eval split is deterministic without knowing the corpus size: document i (0-based)
 goes to eval when floor((i+1)*f) > floor(i*f), i.e. evenly every 1/f documents. Or a
@@ -42,6 +48,8 @@ from .data_formats import normalize_record
 from .errors import LoracError
 
 IGNORE = -100           # HF's label for "no loss here"
+PACKINGS = ("plain", "isolated")  # how documents share a row (module doc)
+CONTINUED = "\0continued"  # a plain-text record key: this piece continues the previous record's document
 CHUNK_DOCS = 256        # documents tokenized per encode_batch call
 MAX_PARAGRAPH = 1 << 16  # chars: a plain-text paragraph longer than this is cut at a line end
 MAX_PIECE = 1 << 16     # chars: a longer document is tokenized in pieces of at most this
@@ -58,7 +66,7 @@ def read_records(path):
 
     Plain text yields {"text": paragraph, "eos": bool, "bos": bool}: a paragraph longer
     than MAX_PARAGRAPH is cut at a line end into pieces that stay one document in the
-    stream (BOS only before the first, EOS only after the last).
+    stream (BOS only before the first, EOS only after the last, CONTINUED on the others).
     """
     path = os.fspath(path)
     from .data_sources import dataset_records, is_dataset_source
@@ -100,7 +108,7 @@ def _read_text(path):
         for lineno, line in enumerate(_lines(f, path, MAX_PARAGRAPH), 1):
             if not line.strip() and (line.endswith("\n") or not para):
                 if para:
-                    yield start, {"text": "".join(para).rstrip("\n"), "eos": True, "bos": not cont}
+                    yield start, {"text": "".join(para).rstrip("\n"), "eos": True, "bos": not cont, CONTINUED: cont}
                 para, size, cont = [], 0, False
                 continue
             if not para:
@@ -108,10 +116,10 @@ def _read_text(path):
             para.append(line)
             size += len(line)
             if size >= MAX_PARAGRAPH:
-                yield start, {"text": "".join(para), "eos": False, "bos": not cont}
+                yield start, {"text": "".join(para), "eos": False, "bos": not cont, CONTINUED: cont}
                 para, size, cont = [], 0, True
         if para:
-            yield start, {"text": "".join(para).rstrip("\n"), "eos": True, "bos": not cont}
+            yield start, {"text": "".join(para).rstrip("\n"), "eos": True, "bos": not cont, CONTINUED: cont}
 
 
 def _lines(f, path, limit):
@@ -154,10 +162,11 @@ def document_pieces(record, tokenizer, where):
 
 
 def tokenize_chunk(chunk, tokenizer, vocab_size, path):
-    """[(lineno, record)] -> [(ids int32, mask uint8)], one per document."""
+    """[(lineno, record)] -> [(ids int32, mask uint8, new_doc)], one per record; new_doc is
+    False for the second and later pieces of a long plain-text paragraph (one document)."""
     pieces = [document_pieces(r, tokenizer, f"{path}:{n}") for n, r in chunk]
     out = []
-    for (lineno, _), (text, spans, eos, bos), (ids, mask) in zip(chunk, pieces, encode_masked(tokenizer, pieces)):
+    for (lineno, record), (text, spans, eos, bos), (ids, mask) in zip(chunk, pieces, encode_masked(tokenizer, pieces)):
         if bos and tokenizer.add_bos:
             ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int32), ids])
             mask = np.concatenate([np.zeros(1, np.uint8), mask])
@@ -168,7 +177,7 @@ def tokenize_chunk(chunk, tokenizer, vocab_size, path):
         if len(ids) and ids.max() >= vocab_size:
             raise LoracError(f"{path}:{lineno}: token id {int(ids.max())} >= the model's vocab size "
                              f"{vocab_size} (tokenizer and model do not match)")
-        out.append((ids, mask))
+        out.append((ids, mask, not record.get(CONTINUED, False)))
     return out
 
 
@@ -231,65 +240,96 @@ class TokenStore:
     def __init__(self, folder, name):
         self.ids_path = os.path.join(folder, f"{name}.ids.i32")
         self.mask_path = os.path.join(folder, f"{name}.mask.u8")
+        self.starts_path = os.path.join(folder, f"{name}.starts.i64")  # offset of each document's first token
         self._ids = open(self.ids_path, "wb")
         self._mask = open(self.mask_path, "wb")
+        self._starts = open(self.starts_path, "wb")
         self.n_tokens = self.n_counted = self.n_docs = 0
-        self.ids = self.mask = None
-        self._buf, self._buffered = [], 0
-        self._sha_ids, self._sha_mask = hashlib.sha256(), hashlib.sha256()
+        self.ids = self.mask = self.starts = None
+        self._buf, self._buffered, self._buf_starts = [], 0, []
+        self._sha_ids, self._sha_mask, self._sha_starts = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
 
-    def append(self, ids, mask):
+    def append(self, ids, mask, new_doc=True):
+        """A document's tokens, or with new_doc=False the next piece of the last one."""
         assert ids.dtype == np.int32 and mask.dtype == np.uint8, "the files hold int32 ids, uint8 mask"
+        if new_doc or self.n_docs == 0:
+            self._buf_starts.append(self.n_tokens)
+            self.n_docs += 1
         self._buf.append((ids, mask))
         self._buffered += len(ids)
         self.n_tokens += len(ids)
         self.n_counted += int(mask.sum())
-        self.n_docs += 1
         if self._buffered >= self.FLUSH_TOKENS:
             self._flush()
 
     def _flush(self):
         if self._buf:
             ids, mask = np.concatenate([i for i, _ in self._buf]), np.concatenate([m for _, m in self._buf])
+            starts = np.asarray(self._buf_starts, np.int64)
             ids.tofile(self._ids)
             mask.tofile(self._mask)
+            starts.tofile(self._starts)
             self._sha_ids.update(ids)  # the arrays' own buffers: no copies
             self._sha_mask.update(mask)
-        self._buf, self._buffered = [], 0
+            self._sha_starts.update(starts)
+        self._buf, self._buffered, self._buf_starts = [], 0, []
 
     def close(self):
         if self._ids.closed:
             return
         self._flush()
-        self._ids.close()
-        self._mask.close()
+        for f in (self._ids, self._mask, self._starts):
+            f.close()
         if self.n_tokens:
             self.ids = np.memmap(self.ids_path, dtype=np.int32, mode="r")
             self.mask = np.memmap(self.mask_path, dtype=np.uint8, mode="r")
+            self.starts = np.memmap(self.starts_path, dtype=np.int64, mode="r")
         else:
-            self.ids, self.mask = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+            self.ids, self.mask, self.starts = np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64)
 
     def n_rows(self, seq):
         return math.ceil(self.n_tokens / seq)
 
     @property
     def digest(self) -> str:
-        """sha256 of the stream (its ids and its mask), known once closed."""
-        return hashlib.sha256(self._sha_ids.digest() + self._sha_mask.digest()).hexdigest()
+        """sha256 of the stream (its ids, its mask and where its documents start), known once closed."""
+        return hashlib.sha256(self._sha_ids.digest() + self._sha_mask.digest() + self._sha_starts.digest()).hexdigest()
 
-    def answer_rows(self, seq):
+    def answer_rows(self, seq, isolated=False):
         """Numbers of the rows with at least one label the loss sees: the graph predicts token
-        t+1 from t, so a counted token in a row's first position is never a target. Read in
-        blocks of rows from the memory-mapped mask."""
-        full, found = self.n_tokens // seq, []
+        t+1 from t, so a counted token in a row's first position is never a target (nor, with
+        isolated documents, one at a document's start). Read in blocks of rows from the
+        memory-mapped mask."""
+        n_rows, found = self.n_rows(seq), []
         block = max(1, (1 << 20) // seq)
-        for a in range(0, full, block):
-            b = min(full, a + block)
-            rows = np.asarray(self.mask[a * seq:b * seq]).reshape(b - a, seq)
+        for a in range(0, n_rows, block):
+            b = min(n_rows, a + block)
+            rows = np.zeros((b - a) * seq, np.uint8)
+            part = np.asarray(self.mask[a * seq:b * seq])
+            rows[:len(part)] = part  # the last row's padding counts nothing
+            rows = rows.reshape(b - a, seq)
+            if isolated:
+                rows[self.positions(np.arange(a, b), seq) == 0] = 0
             found.append(a + np.flatnonzero(rows[:, 1:].max(axis=1)))  # max: no bool copy of the block
-        if self.n_tokens > full * seq and np.asarray(self.mask[full * seq + 1:]).any():
-            found.append(np.asarray([full]))
         return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
+    def positions(self, index, seq):
+        """Rows `index` -> position ids, int64 [len(index), seq]: each token's offset from the
+        start of its document or of the row, whichever is later (a row that starts inside a
+        document sees only that part of it); the last row's padding is a document of its own."""
+        index = np.asarray(index, np.int64)
+        if len(index) == 0:
+            return np.zeros((0, seq), np.int64)
+        first = np.zeros((len(index), seq), bool)
+        first[:, 0] = True
+        for k, r in enumerate(index.tolist()):
+            a, b = r * seq, (r + 1) * seq
+            lo, hi = np.searchsorted(self.starts, [a, b])  # the documents starting in [a, b)
+            first[k, np.asarray(self.starts[lo:hi]) - a] = True
+            if a < self.n_tokens < b:
+                first[k, self.n_tokens - a] = True
+        col = np.arange(seq, dtype=np.int64)
+        return col - np.maximum.accumulate(np.where(first, col, 0), axis=1)
 
     def rows(self, index, seq, pad_id):
         """Rows `index` (array of row numbers) -> (input_ids, labels), int64 [len(index), seq]."""
@@ -311,12 +351,26 @@ class PackedData:
     that learns nothing and an eval loss of 0: they are left out of both (`train_rows`,
     `eval_rows`: the row numbers used) and counted in describe()."""
 
-    def __init__(self, train, eval_, seq, pad_id, folder, owns_folder, lock=None):
+    def __init__(self, train, eval_, seq, pad_id, folder, owns_folder, lock=None, packing="plain"):
+        if packing not in PACKINGS:
+            raise LoracError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
         self.train, self.eval, self.seq, self.pad_id = train, eval_, seq, pad_id
+        self.packing = packing
         self.folder = folder
         if owns_folder:  # a temporary cache goes when the dataset does (and its lock with it)
             self._cleanup = weakref.finalize(self, _remove_temp, folder, lock)
-        self.train_rows, self.eval_rows = train.answer_rows(seq), eval_.answer_rows(seq)
+        isolated = packing == "isolated"
+        self.train_rows, self.eval_rows = train.answer_rows(seq, isolated), eval_.answer_rows(seq, isolated)
+
+    def batch(self, store, index):
+        """Rows `index` of `store` as a batch: {"input_ids", "labels"} int64 [len(index), seq],
+        and with isolated packing "position_ids", each document's first label -100."""
+        ids, labels = store.rows(index, self.seq, self.pad_id)
+        if self.packing != "isolated":
+            return {"input_ids": ids, "labels": labels}
+        positions = store.positions(index, self.seq)
+        labels[positions == 0] = IGNORE
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
     @property
     def n_train_rows(self):
@@ -337,12 +391,14 @@ class PackedData:
         n = len(self.eval_rows)
         for start in range(0, n, batch):
             index = self.eval_rows[start:start + batch]
-            ids, labels = self.eval.rows(index, self.seq, self.pad_id)
+            b = self.batch(self.eval, index)
             if len(index) < batch:
                 fill = batch - len(index)
-                ids = np.concatenate([ids, np.full((fill, self.seq), self.pad_id, np.int64)])
-                labels = np.concatenate([labels, np.full((fill, self.seq), IGNORE, np.int64)])
-            yield {"input_ids": ids, "labels": labels}
+                filler = {"input_ids": np.full((fill, self.seq), self.pad_id, np.int64),
+                          "labels": np.full((fill, self.seq), IGNORE, np.int64),
+                          "position_ids": np.broadcast_to(np.arange(self.seq, dtype=np.int64), (fill, self.seq))}
+                b = {k: np.concatenate([v, filler[k]]) for k, v in b.items()}
+            yield b
 
     def describe(self):
         return {"train_docs": self.train.n_docs, "train_tokens": self.train.n_tokens,
@@ -350,11 +406,13 @@ class PackedData:
                 "train_rows_without_answer": self.train.n_rows(self.seq) - self.n_train_rows,
                 "eval_docs": self.eval.n_docs, "eval_tokens": self.eval.n_tokens,
                 "eval_counted": self.eval.n_counted, "eval_rows": len(self.eval_rows),
-                "eval_rows_without_answer": self.eval.n_rows(self.seq) - len(self.eval_rows)}
+                "eval_rows_without_answer": self.eval.n_rows(self.seq) - len(self.eval_rows),
+                "packing": self.packing}
 
 
 class BatchIterator:
-    """Yields {"input_ids", "labels"} int64 [batch, seq] forever, epoch after epoch.
+    """Yields {"input_ids", "labels"} (and "position_ids" with isolated packing) int64
+    [batch, seq] forever, epoch after epoch.
 
     Position k of the endless stream is row perm_e[i] with e = epoch, i = index; a batch
     that runs past an epoch's end continues with the next epoch's permutation. `state()`
@@ -391,8 +449,7 @@ class BatchIterator:
             self.index += len(take)
             if self.index >= self.n:
                 self.epoch, self.index = self.epoch + 1, 0
-        ids, labels = self.data.train.rows(self.data.train_rows[rows], self.data.seq, self.data.pad_id)
-        return {"input_ids": ids, "labels": labels}
+        return self.data.batch(self.data.train, self.data.train_rows[rows])
 
 
 def is_eval_doc(i, fraction):
@@ -401,11 +458,12 @@ def is_eval_doc(i, fraction):
 
 
 def load_dataset(path, tokenizer, seq, vocab_size, eval_fraction=0.05, eval_path=None,
-                 cache_dir=None, chunk_docs=CHUNK_DOCS) -> PackedData:
+                 cache_dir=None, chunk_docs=CHUNK_DOCS, packing="plain") -> PackedData:
     """Tokenize and pack a data file (streaming) into a PackedData.
 
     With eval_path the eval split is that file; else every 1/eval_fraction-th document
-    of `path` (and at least one, where the file has two or more documents).
+    of `path` (and at least one, where the file has two or more documents). `packing`:
+    "plain" or "isolated" (module doc).
     """
     if seq < 2:
         raise LoracError(f"sequence length must be at least 2, got {seq}")
@@ -415,7 +473,7 @@ def load_dataset(path, tokenizer, seq, vocab_size, eval_fraction=0.05, eval_path
     train, eval_ = TokenStore(folder, "train"), TokenStore(folder, "eval")
     try:
         _fill(path, eval_path, eval_fraction, tokenizer, vocab_size, chunk_docs, train, eval_)
-        data = PackedData(train, eval_, int(seq), tokenizer.eos_id, folder, owns, lock)
+        data = PackedData(train, eval_, int(seq), tokenizer.eos_id, folder, owns, lock, packing)
         _check_rows(data, path, eval_path if eval_path is not None else path if eval_fraction > 0 else None)
     except BaseException:
         train.close()
@@ -470,8 +528,12 @@ def _remove_temp(folder, lock):
 def _fill(path, eval_path, eval_fraction, tokenizer, vocab_size, chunk_docs, train, eval_):
     split = eval_path is None and eval_fraction > 0
     pending = None  # the latest train document, held back until we know eval is not empty
-    for doc_index, tokens in _tokenized_docs(path, tokenizer, vocab_size, chunk_docs):
-        if split and is_eval_doc(doc_index, eval_fraction):
+    last = None  # the split the previous piece went to: a continued piece elsewhere starts a document there
+    for doc_index, (ids, mask, new_doc) in _tokenized_docs(path, tokenizer, vocab_size, chunk_docs):
+        to_eval = split and is_eval_doc(doc_index, eval_fraction)
+        tokens = (ids, mask, new_doc or last != to_eval)
+        last = to_eval
+        if to_eval:
             eval_.append(*tokens)
             continue
         if pending is not None:

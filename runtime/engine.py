@@ -36,6 +36,9 @@ from .artifact import load_artifact
 from .errors import LoracError
 
 
+BATCH_INPUTS = ("input_ids", "labels", "position_ids")  # what a batch feeds (position_ids: isolated packing)
+
+
 def graph_key(kind: str, *parts) -> str:
     """Identity of a graph from what it is emitted from: `kind`, every field of each spec in
     `parts` (lorac.core.keys.canonical: fields out of a dataclass's repr count too), lorac's
@@ -107,6 +110,7 @@ class Graphs:
         if kind == "adamw":  # lr and step are inputs; the graph is built from its key's constants alone
             c = AdamWConstants.of(self.optim_cfg)
             return (lambda: build_optimizer_graph(self.shapes, c)), (self.shapes, c), "float32"
+        # generation: one document a row, so the plain causal graph (no position_ids) is exact
         b, s = (int(x) for x in kind.split(":")[1].split(","))
         t = self.train
         fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
@@ -115,8 +119,8 @@ class Graphs:
 
     @staticmethod
     def _missing_weights(wanted, have) -> None:
-        """One error when the model's weights lack an input (other than ids, labels, LoRA) a graph takes."""
-        missing = [n for n in wanted if n not in have and n not in ("input_ids", "labels") and "lora_" not in n]
+        """One error when the model's weights lack an input (other than the batch's, LoRA) a graph takes."""
+        missing = [n for n in wanted if n not in have and n not in BATCH_INPUTS and "lora_" not in n]
         if missing:
             raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
 

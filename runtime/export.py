@@ -3,8 +3,8 @@
 LoRA tensors arrive as float32 numpy arrays under their PEFT names,
     base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_A.weight  [r, in]
     base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_B.weight  [out, r]
-or, for Mamba-1, base_model.model.backbone.layers.{i}.mixer.{target}.lora_{A|B}.weight,
-and W_eff = W + s * B @ A with s = alpha / r (alpha / sqrt(r) with rsLoRA). The formats
+or, for Mamba-1, base_model.model.backbone.layers.{i}.mixer.{target}.lora_{A|B}.weight
+(each model family names its own: graphs/families/), and W_eff = W + s * B @ A with s = alpha / r (alpha / sqrt(r) with rsLoRA). The formats
 are described in docs/EXPORT.md (Mamba: docs/MAMBA.md).
 """
 from __future__ import annotations
@@ -20,34 +20,15 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from lorac.graphs import mamba_spec
-from lorac.graphs import spec as decoder_spec
-from lorac.graphs.mamba_spec import MAMBA_TARGETS
+from lorac.graphs import families
 
 from .errors import LoracError
 from .export_output import staged
 from .weights import as_dtype
 
-_NAME = re.compile(r"^base_model\.model\.(model|backbone)\.layers\.(\d+)\.(self_attn|mlp|mixer)\.(\w+)\.lora_(A|B)\.weight$")
-PARENT = {t: ("self_attn" if t in decoder_spec.ATTN_TARGETS else "mlp") for t in decoder_spec.ALL_TARGETS}
-_PARENT = {**PARENT, **{t: "mixer" for t in MAMBA_TARGETS}}  # decoders' and Mamba-1's targets
-ROOT = {"self_attn": "model", "mlp": "model", "mixer": "backbone"}  # HF's module above `layers`
-# Mamba targets a PEFT adapter leaves out, and why (both measured; docs/MAMBA.md "Export"). The
-# merged export carries them. transformers 5.x MambaMixer.forward: `self.dt_proj.weight @ time_step`.
-PEFT_LEFT_OUT = {
-    "dt_proj": "transformers' Mamba forward reads dt_proj.weight directly, so a PEFT LoRA there has no effect",
-    "out_proj": "PEFT 0.21 refuses it on Mamba models",
-}
-# llama.cpp's tensor names (gguf-py's TENSOR_NAMES; checked against gguf's own map in the tests)
-GGUF_TENSOR = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-# HF architecture -> (llama.cpp architecture, whether llama.cpp permutes q/k rows).
-# convert_hf_to_gguf.py's LlamaModel (Llama, Mistral) permutes q_proj/k_proj rows from HF's
-# half-split RoPE layout to GGML's interleaved one; its Qwen2/Qwen3 classes do not.
-GGUF_ARCH = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
-             "Qwen2ForCausalLM": ("qwen2", False), "Qwen3ForCausalLM": ("qwen3", False)}
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}  # for configs without "architectures"
+_NAME = re.compile(r"^base_model\.model\..+\.layers\.(\d+)\.[\w.]+?\.(\w+)\.lora_(A|B)\.weight$")
+# from the model families (graphs/families/): the targets a PEFT adapter cannot carry, and why
+PEFT_LEFT_OUT = families.peft_left_out()
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 # what each export writes: an existing --out holding only these is a previous export, replaced whole
@@ -66,9 +47,9 @@ def lora_pairs(lora: dict[str, np.ndarray]) -> dict[tuple[int, str], tuple[np.nd
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, t in lora.items():
         mt = _NAME.match(name)
-        if not mt or _PARENT.get(mt.group(4)) != mt.group(3) or ROOT[mt.group(3)] != mt.group(1):
+        if not mt or mt.group(2) not in families.all_targets() or lora_name(int(mt.group(1)), mt.group(2), mt.group(3)) != name:
             raise LoracError(f"not a LoRA tensor name lorac exports: {name}")
-        parts.setdefault((int(mt.group(2)), mt.group(4)), {})[mt.group(5)] = np.asarray(t)
+        parts.setdefault((int(mt.group(1)), mt.group(2)), {})[mt.group(3)] = np.asarray(t)
     out = {}
     for key, ab in sorted(parts.items()):
         if set(ab) != {"A", "B"}:
@@ -90,15 +71,13 @@ def lora_pairs(lora: dict[str, np.ndarray]) -> dict[tuple[int, str], tuple[np.nd
 
 
 def lora_name(layer: int, target: str, ab: str) -> str:
-    """PEFT's key of a LoRA tensor: the graphs' own naming, decoder or Mamba by target."""
-    return (mamba_spec if target in MAMBA_TARGETS else decoder_spec).lora_name(layer, target, ab)
+    """PEFT's key of a LoRA tensor, as the target's model family names it."""
+    return families.for_target(target).lora_name(layer, target, ab)
 
 
 def weight_name(layer: int, target: str) -> str:
-    """HF's name of the adapted weight, from the graphs' own naming."""
-    if target in MAMBA_TARGETS:
-        return mamba_spec.weight_name(layer, f"{target}.weight")
-    return decoder_spec.weight_name(layer, target)
+    """HF's name of the adapted weight, as the target's model family names it."""
+    return families.for_target(target).weight_name(layer, target)
 
 
 # -- (a) PEFT adapter ----------------------------------------------------------------------
@@ -112,15 +91,16 @@ def export_peft(out_dir, lora: dict[str, np.ndarray], *, alpha: float, use_rslor
 
     `num_hidden_layers` (the base model's) lets the config say `layers_to_transform` when
     only some layers carry LoRA; without it every layer is assumed adapted. Mamba targets in
-    PEFT_LEFT_OUT are dropped with one line to `warn`; nothing left: PeftRefused.
+    PEFT_LEFT_OUT (a family's, e.g. Mamba's dt_proj) are dropped with one line to `warn`;
+    nothing left: PeftRefused.
     """
     pairs = lora_pairs(lora)
-    dropped = sorted({t for (_, t) in pairs if _PARENT[t] == "mixer" and t in PEFT_LEFT_OUT})
+    dropped = sorted({t for (_, t) in pairs if t in PEFT_LEFT_OUT})
     if dropped:
         pairs = {k: ab for k, ab in pairs.items() if k[1] not in dropped}
         why = "; ".join(f"{t}: {PEFT_LEFT_OUT[t]}" for t in dropped)
         if not pairs:
-            raise PeftRefused(f"no PEFT adapter for LoRA on Mamba's {', '.join(dropped)} ({why}); "
+            raise PeftRefused(f"no PEFT adapter for LoRA on {', '.join(dropped)} ({why}); "
                               "export it with --format merged")
         if warn:
             warn(f"warning: the PEFT adapter leaves out the LoRA on {', '.join(dropped)} ({why}), so it differs "
@@ -284,27 +264,26 @@ def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_co
     """
     import gguf  # the gguf package (a lorac dependency); imported here to keep startup light
 
-    if model_config.get("model_type") == "mamba":
-        raise LoracError("GGUF adapter export is not supported for mamba models; use --format merged or peft")
-    arch_name = (model_config.get("architectures") or [_BY_MODEL_TYPE.get(model_config.get("model_type"), "?")])[0]
-    if arch_name not in GGUF_ARCH:
-        raise LoracError(f"GGUF export supports {', '.join(GGUF_ARCH)}; the model is {arch_name}")
-    arch, permute = GGUF_ARCH[arch_name]
+    try:
+        family = families.for_config(model_config)
+        arch, permute = family.gguf_export(model_config)  # llama.cpp's architecture, {target: heads} to permute
+    except ValueError as e:
+        name = (model_config.get("architectures") or [model_config.get("model_type")])[0]
+        if "unsupported architecture" in str(e):
+            raise LoracError(f"GGUF export supports {', '.join(families.hf_architectures())}; the model is {name}") from None
+        raise LoracError(str(e)) from None
     if not alpha > 0:  # llama.cpp reads alpha == 0 as "no scaling" (scale 1), not as s = 0
         raise LoracError(f"GGUF export needs lora alpha > 0, got {alpha}")
     pairs = lora_pairs(lora)
     r = next(iter(pairs.values()))[0].shape[0]
     alpha_eff = alpha * math.sqrt(r) if use_rslora else alpha
-    n_head = int(model_config["num_attention_heads"])
-    n_kv = int(model_config.get("num_key_value_heads") or n_head)
-
     with staged(out_path, "file") as tmp:
-        _write_gguf(gguf, tmp, arch, alpha_eff, name, pairs, permute, n_head, n_kv)
+        _write_gguf(gguf, tmp, arch, alpha_eff, name, pairs, permute, family.GGUF_TARGETS)
     return Path(out_path)
 
 
-def _write_gguf(gguf, path: Path, arch: str, alpha_eff: float, name: str, pairs: dict, permute: bool,
-                n_head: int, n_kv: int) -> None:
+def _write_gguf(gguf, path: Path, arch: str, alpha_eff: float, name: str, pairs: dict, permute: dict,
+                stems: dict) -> None:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_type(gguf.GGUFType.ADAPTER)                       # general.type = "adapter"
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")            # adapter.type = "lora"
@@ -313,11 +292,11 @@ def _write_gguf(gguf, path: Path, arch: str, alpha_eff: float, name: str, pairs:
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for (layer, t), (a, b) in pairs.items():
         b = np.asarray(b, dtype=np.float32)
-        if permute and t == "q_proj":
-            b = llama_qk_permute(b, n_head)
-        elif permute and t == "k_proj":
-            b = llama_qk_permute(b, n_kv)
-        base = f"blk.{layer}.{GGUF_TENSOR[t]}.weight"
+        if t in permute:
+            b = llama_qk_permute(b, permute[t])
+        if t not in stems:
+            raise LoracError(f"GGUF export: {arch} has no tensor for LoRA target {t}")
+        base = f"blk.{layer}.{stems[t]}.weight"
         # numpy [r, in] is GGML ne [in, r]: llama.cpp checks a.ne[0] == W.ne[0] (in) and
         # b.ne[1] == W.ne[1] (out), exactly what PEFT's shapes give after the reversal
         w.add_tensor(base + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))

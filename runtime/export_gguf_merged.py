@@ -46,8 +46,8 @@ def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rsl
                        qtype: str = "F16") -> Path:
     import gguf
 
-    from .export import GGUF_TENSOR, lora_pairs, lora_scale
-    from .gguf_model import architecture, metadata, open_gguf
+    from .export import lora_pairs, lora_scale
+    from .gguf_model import architecture, gguf_config, metadata, open_gguf
     if qtype not in QTYPES:
         raise LoracError(f"merged GGUF tensors can be {', '.join(QTYPES)}, not {qtype}")
     if not str(base_gguf).endswith(".gguf"):
@@ -55,15 +55,17 @@ def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rsl
                          "and convert that with llama.cpp's convert_hf_to_gguf.py")
     reader = open_gguf(base_gguf)
     meta = metadata(reader)
-    arch, _, permuted = architecture(meta, base_gguf)
+    arch, family = architecture(meta, base_gguf)
+    _, permute = family.gguf_export(gguf_config(reader, base_gguf, meta))  # {target: heads} llama.cpp permutes
     pairs = lora_pairs(lora)
     scale = lora_scale(alpha, next(iter(pairs.values()))[0].shape[0], use_rslora)
-    by_tensor = {f"blk.{i}.{GGUF_TENSOR[t]}.weight": (t, a, b) for (i, t), (a, b) in pairs.items()}
+    foreign = sorted({t for _, t in pairs if t not in family.GGUF_TARGETS})
+    if foreign:
+        raise LoracError(f"{base_gguf}: a {arch} GGUF has no tensor for LoRA target {foreign[0]}")
+    by_tensor = {f"blk.{i}.{family.GGUF_TARGETS[t]}.weight": (t, a, b) for (i, t), (a, b) in pairs.items()}
     missing = sorted(set(by_tensor) - {t.name for t in reader.tensors})
     if missing:
         raise LoracError(f"{base_gguf}: has no tensor {missing[0]} for the LoRA on it")
-    heads = {"q_proj": int(meta[f"{arch}.attention.head_count"]),
-             "k_proj": int(meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"]))}
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch)
@@ -74,7 +76,7 @@ def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rsl
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
             continue
         target, a, b = by_tensor[t.name]
-        w = _merged_matrix(t, a, b, scale, heads.get(target) if permuted else None)
+        w = _merged_matrix(t, a, b, scale, permute.get(target))
         data = w.astype(np.float32) if qtype == "F32" else gguf.quants.quantize(w, target_type)
         writer.add_tensor(t.name, data, raw_dtype=target_type)
     writer.write_header_to_file()

@@ -4,8 +4,9 @@ to open in Netron or run in any ONNX runtime (the graph lorac compiles, before c
 The graphs take the frozen weights and the LoRA tensors as inputs, never initializers
 (docs/GRAPHS.md): feed `input_ids` (int64 [batch, seq]), `labels` (train/eval; -100 where a
 token does not count), every weight under its HF name and every LoRA tensor under its PEFT
-name. Outputs: train `loss` and `<lora name>.grad` for each LoRA tensor; eval `loss`;
-forward `logits` [batch, seq, vocab].
+name; with `--packing isolated` also `position_ids` (int64 [batch, seq], each document's
+tokens numbered from 0: docs/DATA.md). Outputs: train `loss` and `<lora name>.grad` for each
+LoRA tensor; eval `loss`; forward `logits` [batch, seq, vocab].
 """
 from __future__ import annotations
 

@@ -5,12 +5,13 @@ GGUF keeps what HF splits over config.json, model.safetensors and tokenizer.json
 file: metadata keys (`llama.embedding_length`, `tokenizer.ggml.tokens`, ...) and tensors
 named `blk.N.attn_q.weight` etc. Dequantization lives in gguf_quant.py.
 
-Q/K permutation. For llama-family models llama.cpp's convert_hf_to_gguf reorders the
-rows of q_proj and k_proj inside each head: HF's RoPE rotates the two halves of a head
-(i, i + d/2), llama.cpp's rotates neighbours (2i, 2i+1), so the converter maps HF row
-(half h, i) to GGUF row (i, h), per head (for k_proj, per KV head). `unpermute_qk`
-is the inverse. Qwen2/Qwen3 files are written without it (llama.cpp runs those with the
-NeoX, i.e. HF, rotation), so they are not touched.
+What differs between architectures is its model family's (graphs/families/): the
+metadata -> config.json map, the tensor names, and what llama.cpp's converter changed in
+the tensors. For llama-family models convert_hf_to_gguf reorders the rows of q_proj and
+k_proj inside each head: HF's RoPE rotates the two halves of a head (i, i + d/2),
+llama.cpp's rotates neighbours (2i, 2i+1), so the converter maps HF row (half h, i) to GGUF
+row (i, h), per head (for k_proj, per KV head); `unpermute_qk` is the inverse. Qwen2/Qwen3
+files are written without it (llama.cpp runs those with the NeoX, i.e. HF, rotation).
 """
 
 import numpy as np
@@ -19,33 +20,6 @@ from .errors import LoracError
 from .gguf_quant import dequantize
 from .weights import as_dtype, check_weights
 
-# general.architecture -> (HF model_type, whether Q/K rows carry llama.cpp's permutation)
-ARCHITECTURES = {
-    "llama": ("llama", True),
-    "mistral": ("mistral", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
-}
-
-# per-layer GGUF tensor stem -> HF module path inside model.layers.N
-LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 # Tensors llama.cpp writes that carry no weights HF has: rope_freqs holds llama-3 style
 # RoPE scaling factors, which lorac does not implement, so a file with it is refused.
 UNSUPPORTED_TENSORS = {"rope_freqs.weight": "llama-3 RoPE frequency scaling (rope_freqs)"}
@@ -70,97 +44,46 @@ def metadata(reader) -> dict:
     return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
 
 
-def architecture(meta: dict, path="GGUF file") -> tuple[str, str, bool]:
-    """(gguf arch, HF model_type, permuted Q/K) or a LoracError naming the architecture."""
+def architecture(meta: dict, path="GGUF file") -> tuple[str, object]:
+    """(gguf arch, the family module that loads it) or a LoracError naming the architecture."""
+    from lorac.graphs.families import gguf_archs
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise LoracError(f"{path}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
-    model_type, permuted = ARCHITECTURES[arch]
-    # llama.cpp writes Mistral 7B files as "llama"; the name is the only trace left.
-    if arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
-        model_type = "mistral"
-    return arch, model_type, permuted
+    archs = gguf_archs()
+    if arch not in archs:
+        raise LoracError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(archs)})")
+    return arch, archs[arch]
 
 
 def hf_config(meta: dict, tensor_names, path="GGUF file", vocab_len=None) -> dict:
-    """GGUF metadata -> the config.json dict HF would have for the same model."""
-    arch, model_type, _ = architecture(meta, path)
-
-    def need(key, default=None):
-        """A positive integer metadata value (GGUF stores counts as unsigned ints)."""
-        v = meta.get(f"{arch}.{key}", default)
-        if v is None:
-            raise LoracError(f"{path}: GGUF metadata key {arch}.{key} is missing")
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise LoracError(f"{path}: GGUF metadata {arch}.{key}={v!r} must be a positive integer")
-        return v
-
-    def num(key, default):
-        v = meta.get(f"{arch}.{key}", default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise LoracError(f"{path}: GGUF metadata {arch}.{key}={v!r} must be a finite number")
-        return float(v)
-
-    hidden = need("embedding_length")
-    heads = need("attention.head_count")
-    kv_heads = need("attention.head_count_kv", heads)
-    # key_length is written when head_dim != hidden/heads (Qwen3); else it is implied.
-    head_dim = need("attention.key_length", max(hidden // heads, 1))
-    n_vocab = meta.get(f"{arch}.vocab_size")
-    if n_vocab is None:  # older files: the vocabulary's length is the vocab size
-        n_vocab = vocab_len
-    if n_vocab is None:
-        raise LoracError(f"{path}: GGUF file states no vocabulary size and has no vocabulary")
-    if not isinstance(n_vocab, int) or isinstance(n_vocab, bool) or n_vocab < 1:
-        raise LoracError(f"{path}: GGUF vocabulary size {n_vocab!r} must be a positive integer")
-    config = {
-        "model_type": model_type,
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
-        "hidden_size": hidden,
-        "num_hidden_layers": need("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "intermediate_size": need("feed_forward_length"),
-        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", 1e-6),
-        # 10000 is llama.cpp's own default when the key is absent
-        "rope_theta": num("rope.freq_base", 10000.0),
-        "max_position_embeddings": need("context_length", 2048),
-        "vocab_size": n_vocab,
-        "tie_word_embeddings": "output.weight" not in set(tensor_names),
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-    for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                       ("pad_token_id", "padding_token_id")):
-        if f"tokenizer.ggml.{field}" in meta:
-            config[key] = int(meta[f"tokenizer.ggml.{field}"])
-    return config
+    """GGUF metadata -> the config.json dict HF would have for the same model (its family's map)."""
+    from lorac.graphs.families import GgufMeta
+    arch, family = architecture(meta, path)
+    try:
+        return family.config_from_gguf(GgufMeta(meta, arch, vocab_len), list(tensor_names))
+    except ValueError as e:
+        raise LoracError(f"{path}: {e}") from None
 
 
-def hf_name(name: str) -> str:
-    """GGUF tensor name -> HF name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."""
+def hf_name(name: str, family=None) -> str:
+    """GGUF tensor name -> HF name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)
+    in `family`'s naming (default: the Llama-like decoders')."""
+    if family is None:
+        from lorac.graphs.families import llama as family
     if name in UNSUPPORTED_TENSORS:
         raise LoracError(f"GGUF tensor {name}: {UNSUPPORTED_TENSORS[name]} is not supported")
     stem, _, kind = name.rpartition(".")
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{kind}"
-    if stem in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[stem]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in family.GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{family.GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+    if stem in family.GGUF_GLOBAL_NAMES:
+        return f"{family.GGUF_GLOBAL_NAMES[stem]}.{kind}"
     raise LoracError(f"GGUF tensor {name} has no HF counterpart lorac knows")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's RoPE row order on q_proj/k_proj rows (weights [out, in] or bias [out]).
-
-    Per head of d rows the file holds row 2i + h for HF row h*d/2 + i (h in {0, 1}); viewing
-    the rows as [head, i, h] and swapping to [head, h, i] restores HF's order.
-    """
-    d = w.shape[0] // n_head
-    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Undo llama.cpp's RoPE row order on q_proj/k_proj rows (graphs/families/llama.py)."""
+    from lorac.graphs.families.llama import unpermute_qk
+    return unpermute_qk(w, n_head)
 
 
 def gguf_config(reader, path="GGUF file", meta=None) -> dict:
@@ -183,18 +106,15 @@ def load_gguf(path, dtype=np.float32) -> tuple[dict, dict]:
     reader = open_gguf(path)
     meta = metadata(reader)
     config = gguf_config(reader, path, meta)
-    _, _, permuted = architecture(meta, path)
+    _, family = architecture(meta, path)
     weights = {}
     for t in reader.tensors:
-        key = hf_name(t.name)
+        key = hf_name(t.name, family)
         # GGUF lists dimensions fastest-first ([in, out]); numpy wants [out, in].
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         w = dequantize(t.data, int(t.tensor_type), shape, t.name)
-        if permuted and key.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, config["num_attention_heads"])
-        elif permuted and key.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, config["num_key_value_heads"])
-        weights[key] = np.ascontiguousarray(w, dtype=as_dtype(dtype))
+        # the family undoes what llama.cpp's converter changed (llama's q/k row order)
+        weights[key] = np.ascontiguousarray(family.tensor_from_gguf(key, w, config), dtype=as_dtype(dtype))
     check_weights(config, weights, path)
     return config, weights
 

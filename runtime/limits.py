@@ -26,8 +26,11 @@ def context_length(config: dict) -> int | None:
 
 
 def check_context(seq: int, config: dict, flag: str) -> None:
+    from lorac.graphs.families import for_model_type, model_types
     n = context_length(config)
-    if n is not None and config.get("model_type") != "mamba" and seq > n:
+    known = config.get("model_type") in model_types()
+    bounded = not known or for_model_type(config["model_type"]).CONTEXT_LIMITED
+    if n is not None and bounded and seq > n:
         raise LoracError(f"{flag} {seq} exceeds the model's context length {n} (max_position_embeddings)")
 
 
@@ -40,10 +43,13 @@ def check_rank(spec, train, flag: str = "--rank") -> None:
 
 def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4, target: str = "cpu") -> int:
     """A lower bound on the bytes one training step needs (module doc). On CUDA the frozen
-    weights are bf16 and attention is cuDNN's fused kernel (no [S, S] probabilities)."""
+    weights are bf16 and attention is cuDNN's fused kernel (no [S, S] probabilities), except
+    for packed documents (--packing isolated), whose attention is inlined (bf16 scores)."""
     b, s, layers = train.batch, train.seq, len(train.layers(spec))
     lora = sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * layers
-    attention = b * spec.heads * s * s if hasattr(spec, "heads") and target != "cuda" else 0  # Mamba has none
+    attention = b * spec.heads * s * s if hasattr(spec, "heads") else 0  # Mamba has none
+    if target == "cuda":
+        attention = attention // 2 if getattr(train, "packing", "plain") == "isolated" else 0
     weights = n_weights // 2 if target == "cuda" else n_weights
     chunk = min(train.loss_chunk or b * s, b * s)
     return itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)

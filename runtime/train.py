@@ -19,7 +19,8 @@ import numpy as np
 
 from lorac.core.constants import CACHE_DIR
 from lorac.core.settings import like, setting
-from lorac.graphs.spec import ALL_TARGETS
+from lorac.graphs import families
+from lorac.graphs.spec import PACKINGS
 
 from . import devices
 from .errors import LoracError
@@ -50,14 +51,20 @@ class TrainConfig:
     batch: int = setting(4, "sequences per micro-batch; with --gpus N, of all workers together "
                          "(--per-device-train-batch-size: per worker, as in TRL)")
     seq: int = setting(128, "tokens per sequence")
+    # "auto": isolated where the family has it, plain for Mamba and on cuda (resolve_packing; docs/DATA.md)
+    packing: str = setting("auto", "how documents share a packed row: isolated (each attends only within itself "
+                           "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
+                           "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "
+                           "attention is not yet on cuDNN (docs/DATA.md)")
     rank: int = setting(16, "LoRA rank r")
     alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
     rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
     # None: every linear layer of the family (QLoRA/LoRA+ practice). Named lora_targets (as
     # TrainSpec's) so it is not one letter from `target`, the device; the flag stays --targets
     lora_targets: tuple[str, ...] | None = setting(
-        None, f"comma-separated LoRA targets (default: every linear layer: {','.join(ALL_TARGETS)}; "
-        "in_proj,x_proj,dt_proj,out_proj for Mamba)", flag="--targets")
+        None, "comma-separated LoRA targets (default: every linear layer of the model's family: "
+        + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
+        flag="--targets")
     trained_layers: str | None = setting(None, "adapt only layers A:B, or the layers i,j,k (no backward below the "
                                          "first)")  # "A:B": layers A..B-1 only (frozen prefix below A)
     lr: float = like(LoraPlusConfig, "lr", optimizer=True)
@@ -77,6 +84,8 @@ class TrainConfig:
         None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
         "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
     checkpointing: bool = setting(False, "recompute each layer's forward in the backward (less memory)")
+    keep_layers: int = setting(0, "with --checkpointing, the N highest layers keep their activations instead "
+                               "(faster, more memory)")
     loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
                               "logits fit 1.5 GiB)")
     scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
@@ -140,6 +149,8 @@ class TrainConfig:
             raise LoracError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        if self.packing not in ("auto",) + PACKINGS:
+            raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
         from .report import check_report_settings
         check_report_settings(self.progress, self.report_to)
         self.check_backend()
@@ -168,6 +179,17 @@ class TrainConfig:
         except ValueError:
             raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
         return range(lo, hi)
+
+
+def resolve_packing(packing: str | None, spec, target: str = "cpu") -> str:
+    """--packing auto (or None) -> "isolated" where the model family implements it and the
+    target runs it at plain packing's cost; "plain" for Mamba (its conv and scan would need
+    their state reset at document starts: not implemented) and on cuda, where the packed
+    attention is not yet on cuDNN (TVM kernels: ~4x the attention time and O(S^2) memory)."""
+    if packing in (None, "auto"):
+        from lorac.graphs.families import for_spec
+        return "isolated" if for_spec(spec).PACKING_ISOLATED and target != "cuda" else "plain"
+    return packing
 
 
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
@@ -205,13 +227,20 @@ class Run:
             cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, lora_targets=a.targets,
                                      trained_layers=a.trained_layers(self.spec.layers))
             self.log(f"adapter: {a.describe()}")
-        extra = {}
-        if self.spec.arch == "mamba":
-            from lorac.graphs.mamba import DEFAULT_CHUNK, DEVICE_CHUNK
-            extra["scan_chunk"] = cfg.scan_chunk or DEVICE_CHUNK.get(cfg.target, DEFAULT_CHUNK)
+        packing = resolve_packing(cfg.packing, self.spec, cfg.target)
+        if packing != cfg.packing:  # checkpoints record what ran
+            cfg = self.cfg = replace(cfg, packing=packing)
+        why = " (documents attend only within themselves)" if packing == "isolated" else " (rows attend across documents)"
+        if packing == "isolated" and cfg.target == "cuda":
+            why += "; attention runs as TVM kernels, not cuDNN's (docs/COMPILER.md)"
+        self.log(f"packing: {packing}{why}")
+        from lorac.graphs.families import for_spec
+        try:  # the family's own options (Mamba's scan chunk)
+            extra = for_spec(self.spec).train_extra(cfg.target, cfg.scan_chunk)
+        except ValueError as e:
+            raise LoracError(str(e)) from None
+        if "scan_chunk" in extra:
             self.log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
-        elif cfg.scan_chunk:
-            raise LoracError(f"--scan-chunk is for Mamba models; {self.spec.arch} has no scan")
         # data parallel: each worker's step takes its share of the global --batch (--compile-only
         # --gpus N, in one process, compiles that step too)
         workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
@@ -223,7 +252,8 @@ class Run:
                 self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing, loss_chunk=loss_chunk, extra=extra)
+                                    checkpointing=cfg.checkpointing, keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
+                                    packing=cfg.packing, extra=extra)
         self.train_spec.validate(self.spec)
         from . import limits  # before any compile: an impossible size would only fill memory
         limits.check_context(cfg.seq, self.model_config, "--seq")
@@ -231,7 +261,7 @@ class Run:
         limits.check_memory(self.spec, self.train_spec, sum(int(w.size) for w in weights.values()), cfg.target)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
-                                 eval_path=eval_path)
+                                 eval_path=eval_path, packing=cfg.packing)
         self.eval_path = eval_path
         self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
         self.optim_cfg = cfg.optim_config()

@@ -136,40 +136,15 @@ def _load_sharded(model_dir, index, dtype):
 
 
 def required_tensors(config: dict) -> list:
-    """The HF tensor names a model of this config must have (decoders and Mamba-1)."""
-    if config.get("model_type") == "mamba":
-        return _mamba_tensors(config)
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.get("tie_word_embeddings", False):
-        need.append("lm_head.weight")
-    proj = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-            "post_attention_layernorm"]
-    if config.get("model_type") == "qwen3":
-        proj += ["self_attn.q_norm", "self_attn.k_norm"]
-    for i in range(int(config.get("num_hidden_layers", 0))):
-        need += [f"model.layers.{i}.{m}.weight" for m in proj]
-        if config.get("model_type") == "qwen2" or config.get("attention_bias"):
-            need += [f"model.layers.{i}.self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj")]
-    return need
-
-
-def _mamba_tensors(config: dict) -> list:
-    need = ["backbone.embeddings.weight", "backbone.norm_f.weight"]
-    if not config.get("tie_word_embeddings", True):
-        need.append("lm_head.weight")
-    mixer = ["in_proj.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "out_proj.weight",
-             "conv1d.weight", "A_log", "D"]
-    mixer += ["conv1d.bias"] if config.get("use_conv_bias", True) else []
-    mixer += ["in_proj.bias", "out_proj.bias"] if config.get("use_bias", False) else []
-    for i in range(int(config.get("num_hidden_layers", 0))):
-        need += [f"backbone.layers.{i}.norm.weight"] + [f"backbone.layers.{i}.mixer.{m}" for m in mixer]
-    return need
+    """The HF tensor names a model of this config must have (asked of its family)."""
+    from lorac.graphs.families import for_model_type
+    return for_model_type(config.get("model_type")).required_tensors(config)
 
 
 def check_weights(config, weights, source):
     """Raise a LoracError naming the first tensor the config needs and the weights lack."""
-    if config.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "mamba"):
+    from lorac.graphs.families import model_types
+    if config.get("model_type") not in model_types():
         return  # a family lorac does not train: ModelSpec refuses it with its own message
     layers = config.get("num_hidden_layers", 0)
     if not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= len(weights):

@@ -5,22 +5,16 @@ import numpy as np
 
 from lorac.graphs import ModelSpec, TrainSpec, lora_tensor_names
 
-HF_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
-
-
 def hf_model(cfg: dict, seed: int = 0):
-    """A randomly initialised HF causal LM in fp32 with norm weights and biases made non-trivial."""
+    """A randomly initialised HF causal LM in fp32 (the transformers class of cfg's model_type,
+    eager attention) with norm weights and biases made non-trivial."""
     import torch
     import transformers
-    conf_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[cfg["model_type"]])
     torch.manual_seed(seed)
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
-    model = model_cls(conf_cls(**kw)).float().eval()
+    conf = transformers.AutoConfig.for_model(cfg["model_type"], **kw)
+    conf._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(conf).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

@@ -18,6 +18,11 @@ from lorac.runtime.optim import SCHEDULE_FIELDS, LoraPlusConfig
 
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+GEMMA2 = dict(model_type="gemma2", vocab_size=53, hidden_size=24, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=10, intermediate_size=37, sliding_window=4, query_pre_attn_scalar=7,
+              attn_logit_softcapping=0.75, final_logit_softcapping=1.5)
+PHI3 = dict(model_type="phi3", vocab_size=53, hidden_size=36, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, intermediate_size=37, tie_word_embeddings=False, sliding_window=5)
 MAMBA = dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=4, num_hidden_layers=2, expand=2,
              conv_kernel=4)
 
@@ -27,6 +32,8 @@ def examples() -> dict:
     return {
         "ModelSpec": ModelSpec.from_hf_config(LLAMA),
         "MambaSpec": ModelSpec.from_hf_config(MAMBA),
+        "Gemma2Spec": ModelSpec.from_hf_config(GEMMA2),
+        "Phi3Spec": ModelSpec.from_hf_config(PHI3),
         "TrainSpec": TrainSpec(batch=2, seq=16, extra={"scan_chunk": 4}),
         "AdamWConstants": AdamWConstants.of(LoraPlusConfig()),
         "BuildRequest": mf.BuildRequest("ab" * 32, {"kind": "cpu"}, "float32", 0),

@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.export import (GGUF_TENSOR, PARENT, export_gguf, export_merged, export_merged_weights, export_peft,
-                                  llama_qk_permute, lora_scale)
+from lorac.graphs.families import llama
+from lorac.runtime.export import (export_gguf, export_merged, export_merged_weights, export_peft, llama_qk_permute,
+                                  lora_scale)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ALL = list(PARENT)
+ALL = list(llama.TARGETS)
+PARENT = {t: llama.lora_name(0, t, "A").split(".")[-4] for t in ALL}  # self_attn | mlp
+GGUF_TENSOR = llama.GGUF_TARGETS
 
 
 def tiny_model(kind, path):

@@ -36,7 +36,8 @@ def test_train_spec_refuses(kw, match):
         build_training_graph(spec, TrainSpec(**args))
 
 
-def test_mistral_window_shorter_than_seq_is_refused():
-    spec = ModelSpec.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 8})
-    with pytest.raises(ValueError, match="exceeds sliding_window=8"):
-        build_training_graph(spec, TrainSpec(batch=1, seq=16))
+def test_bad_sliding_windows_are_refused():
+    with pytest.raises(ValueError, match="sliding_window=0 must be a positive integer"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 0})
+    with pytest.raises(ValueError, match="use_sliding_window=True for qwen2"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8})

@@ -7,11 +7,11 @@ along random directions v, per input.
 import numpy as np
 import pytest
 
-from lorac.graphs.attention import attention_backward, attention_forward
+from lorac.graphs.attention import Mask, attention_backward, attention_forward
 from lorac.graphs.builder import INT64, GraphBuilder
 from lorac.graphs.linear import Proj, linear_backward, linear_forward, linear_group_forward
 from lorac.graphs.loss import loss_and_grad
-from lorac.graphs.mlp import swiglu_backward, swiglu_forward
+from lorac.graphs.mlp import geglu_backward, geglu_forward, swiglu_backward, swiglu_forward
 from lorac.graphs.norm import rmsnorm_backward, rmsnorm_forward
 from lorac.graphs.rope import rope_backward, rope_forward, rope_tables
 from oracles import run_ort
@@ -90,6 +90,39 @@ def test_attention(B, K, G, S, Dh):
     fd_check({"q": (B, S, K * G, Dh), "k": (B, S, K, Dh), "v": (B, S, K, Dh)}, emit)
 
 
+@pytest.mark.parametrize("dims,mask", [((1, 2, 2, 5, 3), Mask(softcap=0.7)), ((2, 1, 3, 7, 4), Mask(window=3)),
+                                       ((1, 2, 1, 6, 2), Mask(softcap=1.3, window=2))])
+def test_attention_softcap_and_window(dims, mask):
+    """The soft-capped and windowed units (Gemma 2, Phi-3, Mistral past its window)."""
+    B, K, G, S, Dh = dims
+    def emit(g, x):
+        ctx, saved = attention_forward(g, x["q"], x["k"], x["v"], dims, scale=0.8, mask=mask)
+        dq, dk, dv = attention_backward(g, _dy(g, (B, S, K * G, Dh)), saved, dims)
+        return ctx, {"q": dq, "k": dk, "v": dv}
+    fd_check({"q": (B, S, K * G, Dh), "k": (B, S, K, Dh), "v": (B, S, K, Dh)}, emit)
+
+
+def test_attention_window_and_softcap_values():
+    """Against numpy: query i sees keys i - window < j <= i, scores c tanh(s / c)."""
+    B, K, G, S, Dh, W, c = 1, 2, 2, 6, 3, 3, 0.9
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((B, S, n, Dh)) for n in (K * G, K, K))
+    g = GraphBuilder("win", np.float64)
+    xs = [g.input(n, a.shape) for n, a in zip("qkv", (q, k, v))]
+    o, _ = attention_forward(g, *xs, (B, K, G, S, Dh), scale=0.5, mask=Mask(softcap=c, window=W))
+    g.output(o, "o")
+    model = g.finish()
+    assert {f.name for f in model.functions} == {"CausalAttentionSoftcapWindow"}
+    kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = c * np.tanh(np.einsum("bihd,bjhd->bhij", q, kk) * 0.5 / c)
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    s = np.where((j <= i) & (j > i - W), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(run_ort(model, dict(q=q, k=k, v=v))["o"], np.einsum("bhij,bjhd->bihd", p, vv),
+                               rtol=1e-10)
+
+
 def test_attention_lse():
     """The forward unit's second output is each softmax row's log-sum-exp (what cuDNN's
     SDPA calls its stats), checked against numpy in float64."""
@@ -100,7 +133,7 @@ def test_attention_lse():
     xs = [g.input(n, a.shape) for n, a in zip("qkv", (q, k, v))]
     o, saved = attention_forward(g, *xs, (B, K, G, S, Dh), scale=0.25)
     g.output(o, "o")
-    g.output(saved[4], "lse")
+    g.output(saved.lse, "lse")
     out = run_ort(g.finish(), dict(q=q, k=k, v=v))
     kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)  # HF repeat_kv
     s = np.einsum("bihd,bjhd->bhij", q, kk) * 0.25
@@ -164,12 +197,31 @@ def test_swiglu():
     fd_check({"gate": shape, "up": shape}, emit)
 
 
-@pytest.mark.parametrize("chunk", [0, 4])
-def test_cross_entropy(chunk):
+def test_geglu():
+    shape = (4, 9)
+    def emit(g, x):
+        y = geglu_forward(g, x["gate"], x["up"])
+        dgate, dup = geglu_backward(g, _dy(g, shape), x["gate"], x["up"])
+        return y, {"gate": dgate, "up": dup}
+    fd_check({"gate": shape, "up": shape}, emit)
+
+
+def test_geglu_is_torch_gelu_tanh():
+    torch = pytest.importorskip("torch")
+    x = np.linspace(-6, 6, 41)
+    g = GraphBuilder("gelu", np.float64)
+    xs = g.input("x", x.shape)
+    g.output(geglu_forward(g, xs, g.fconst(np.ones_like(x))), "y")
+    want = torch.nn.functional.gelu(torch.from_numpy(x), approximate="tanh").numpy()
+    np.testing.assert_allclose(run_ort(g.finish(), {"x": x})["y"], want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("chunk,softcap", [(0, None), (4, None), (0, 1.5), (4, 0.8)])
+def test_cross_entropy(chunk, softcap):
     B, S, D, V = 2, 5, 4, 11
     labels = np.random.default_rng(3).integers(0, V, (B, S)).astype(np.int64)
     labels[0, 2] = labels[1, 4] = -100
     def emit(g, x):
-        loss, dh = loss_and_grad(g, x["h"], x["head"], x["labels"], B, S, V, chunk)
+        loss, dh = loss_and_grad(g, x["h"], x["head"], x["labels"], B, S, V, chunk, softcap)
         return g.reshape(loss), {"h": dh}
     fd_check({"h": (B * S, D), "head": (V, D)}, emit, extra_feeds={"labels": (labels, INT64)}, scalar_out=True)

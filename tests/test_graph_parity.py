@@ -25,6 +25,10 @@ CASES = {
     "mistral-gqa3": (dict(model_type="mistral", vocab_size=45, hidden_size=36, num_hidden_layers=2,
                           num_attention_heads=6, num_key_value_heads=2, intermediate_size=50, sliding_window=64,
                           tie_word_embeddings=False), 2, 9, ALL_TARGETS, False),
+    # the window (4) shorter than the sequence (9): HF's sliding-window mask, lorac's windowed unit
+    "mistral-window": (dict(model_type="mistral", vocab_size=41, hidden_size=24, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=30, sliding_window=4,
+                            tie_word_embeddings=False), 2, 9, ALL_TARGETS, False),
     "qwen2-gqa3": (dict(model_type="qwen2", vocab_size=57, hidden_size=36, num_hidden_layers=2,
                         num_attention_heads=6, num_key_value_heads=2, intermediate_size=39,
                         tie_word_embeddings=True), 2, 6, ALL_TARGETS, False),

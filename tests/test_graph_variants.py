@@ -40,7 +40,8 @@ def test_frozen_prefix_matches_full_backward():
     assert_frozen_prefix_matches(build_training_graph(spec, prefix), feeds, ref)
 
 
-@pytest.mark.parametrize("variant", [dict(checkpointing=True), dict(loss_chunk=5), dict(checkpointing=True, loss_chunk=4)])
+@pytest.mark.parametrize("variant", [dict(checkpointing=True), dict(loss_chunk=5), dict(checkpointing=True, loss_chunk=4),
+                                     dict(checkpointing=True, keep_layers=1)])
 def test_variant_matches_plain(variant):
     plain = TrainSpec(batch=2, seq=7, lora_targets=ALL_TARGETS, rank=3, alpha=6)
     spec, feeds = _feeds(CFG, plain)
@@ -59,6 +60,10 @@ def test_checkpointing_lowers_peak_live_bytes():
     plain = peak_live_bytes(build_training_graph(spec, TrainSpec(**kw)))
     ckpt = peak_live_bytes(build_training_graph(spec, TrainSpec(checkpointing=True, **kw)))
     assert ckpt < 0.6 * plain, (ckpt, plain)
+    # keeping the top three layers' activations lands in between
+    part = peak_live_bytes(build_training_graph(spec, TrainSpec(checkpointing=True, keep_layers=3, **kw)))
+    assert ckpt < part < plain, (ckpt, part, plain)
+    assert [TrainSpec(checkpointing=True, keep_layers=3, **kw).recomputes(spec, i) for i in range(6)] == [True] * 3 + [False] * 3
 
 
 def test_whole_model_finite_differences_float64():

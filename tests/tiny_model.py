@@ -33,7 +33,6 @@ def make_model_dir(root: Path, arch: str = "qwen3", layers: int = 2, seed: int =
     import pytest
     torch = pytest.importorskip("torch")  # transformers writes the model: without torch the test skips
     transformers = pytest.importorskip("transformers")
-    from oracles import HF_CLASSES
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     vocab = char_tokenizer_json(root / "tokenizer.json")
@@ -41,9 +40,8 @@ def make_model_dir(root: Path, arch: str = "qwen3", layers: int = 2, seed: int =
                num_attention_heads=4, num_key_value_heads=2, head_dim=12, tie_word_embeddings=True,
                eos_token_id=1, bos_token_id=None, max_position_embeddings=512)
     cfg.update(over)
-    conf_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[arch])
     torch.manual_seed(seed)
-    model = model_cls(conf_cls(**cfg)).float()
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(arch, **cfg)).float()
     model.save_pretrained(root, safe_serialization=True)
     (root / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|endoftext|>", "chat_template": CHATML, "add_bos_token": False}))
