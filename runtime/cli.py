@@ -64,7 +64,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             p.add_argument(*flags, dest=f.name, action="store_true", default=None, help=help_)
         elif f.name in ("lora_targets", "trained_layers"):
-            p.add_argument(*flags, dest=f.name, default=None, help=help_)
+            p.add_argument(*flags, dest=f.name, default=None, help=help_, metavar=flag_of(f)[2:].upper().replace("-", "_"))
         else:
             kind = type(default) if default is not None else str
             shown = f" (default: {default})" if default is not None else ""
