@@ -59,7 +59,7 @@ def test_cuda_bf16_manifest_types(graph, tmp_path):
 
 def test_cuda_graph_build_binds_its_inputs(graph, tmp_path):
     """`lorac compile --cuda-graph` builds with every input bound (manifest bound_inputs); a
-    plain build does not. The graphs themselves run on the GPU machine (docs/H200-RUNS.md)."""
+    plain build does not. The graphs themselves run on the GPU machine (docs/BENCHMARKS.md)."""
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
     import onnx
