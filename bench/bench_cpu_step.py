@@ -4,8 +4,8 @@
 
 fp32, batch 4 x 256 tokens, LoRA r=16 on all seven targets; one step = loss + every LoRA
 gradient (no optimizer). Both run with 2 threads. Prints one JSON line per case and run.
-Run the PyTorch+PEFT peer (../shared/bench/peer_peft_cpu.py 2) in the same session for
-the third column; docs/BENCHMARKS.md records both.
+For the PyTorch+PEFT peer in the same run, with the optimizer step on every side, use
+bench/bench_backends_cpu.py (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """lorac's CPU training step at the Mamba-130M shape (fp32, 2 threads), and in the same run
-../shared/bench/peer_mamba_cpu.py (HF's plain PyTorch path + PEFT) with the ratio.
+the peer bench/peer_mamba.py --device cpu (HF's plain PyTorch path + PEFT) with the ratio.
 
     .venv/bin/python bench/bench_mamba_cpu.py [--layers 24] [--targets in_proj,x_proj,dt_proj] [--steps 3]
-        [--scan-chunk L] [--peer [PATH]]
+        [--scan-chunk L] [--peer]
 
 One step = the compiled training graph (loss + LoRA gradients) + the compiled LoRA+ AdamW
 update, as `lorac train` runs it (runtime.engine.Engine), the scan chunk `lorac train` uses
@@ -29,7 +29,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-PEER = Path(__file__).resolve().parents[2] / "shared" / "bench" / "peer_mamba_cpu.py"  # ../shared from the repo
+PEER = Path(__file__).resolve().parent / "peer_mamba.py"
 MAMBA_130M = dict(model_type="mamba", vocab_size=50280, hidden_size=768, state_size=16, expand=2, conv_kernel=4,
                   num_hidden_layers=24, tie_word_embeddings=True)
 
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
     ap.add_argument("--cache-dir", default=".lorac-cache")
     ap.add_argument("--scan-chunk", type=int, default=None, help="scan chunk length (default: lorac train's for cpu)")
-    ap.add_argument("--peer", nargs="?", const=str(PEER), default=None, help=f"also run the peer (default {PEER})")
+    ap.add_argument("--peer", action="store_true", help="also run the peer (bench/peer_mamba.py --device cpu)")
     args = ap.parse_args()
 
     from lorac.graphs import ModelSpec, TrainSpec
@@ -105,11 +105,13 @@ def main() -> None:
                           tok_s=round(args.batch * args.seq / dt, 1), first_step_incl_compile_s=round(compile_s, 1),
                           loss=round(losses[-1], 4), load=[round(x, 2) for x in os.getloadavg()])), flush=True)
     if args.peer:
-        r = subprocess.run([sys.executable, args.peer, THREADS], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, str(PEER), f"{args.batch}x{args.seq}", "2", "torch", "--device", "cpu",
+                            "--threads", THREADS, "--layers", str(args.layers)], capture_output=True, text=True,
+                           cwd=PEER.parent)
         peer = next((json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")), None)
         if peer is None:
             tail = [x for x in r.stderr.strip().splitlines() if "Warning" not in x and "falling back" not in x][-3:]
-            print(json.dumps(dict(peer=args.peer, returncode=r.returncode, error=" | ".join(tail)[-600:])), flush=True)
+            print(json.dumps(dict(peer=PEER.name, returncode=r.returncode, error=" | ".join(tail)[-600:])), flush=True)
             return
         print(json.dumps({**peer, "load": [round(x, 2) for x in os.getloadavg()]}), flush=True)
         print(json.dumps(dict(ratio="peer_s / lorac_s", value=round(peer["step_s"] / dt, 1))), flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (torch and nvcc there, no network): build the peer's mamba_ssm and
 # causal_conv1d from their sdists, for sm_90 only, into /tmp/mssm-site, then print the
-# PYTHONPATH line that makes `bench/peer_mamba_gpu.py BxS STEPS mamba_ssm` find them.
+# PYTHONPATH line that makes `bench/peer_mamba.py BxS STEPS mamba_ssm` find them.
 #   here:  .venv/bin/python -m pip download --no-deps --no-build-isolation --no-binary :all: \
 #              mamba-ssm==2.3.2.post1 causal-conv1d==1.7.0 -d .devcarry/sdist
 #          (MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE: metadata only)

@@ -11,7 +11,7 @@ ART=$2
 MART=$3
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $D/rt/whl/apache_tvm_ffi-*.whl
 mkdir -p /tmp/shim/lorac
-for p in graphs compiler runtime; do ln -sfn "$PWD/$p" /tmp/shim/lorac/$p; done
+for p in core graphs compiler runtime; do ln -sfn "$PWD/$p" /tmp/shim/lorac/$p; done
 cp lorac_pkg/__init__.py /tmp/shim/lorac/
 export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/$D/rt/site TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

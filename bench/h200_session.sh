@@ -25,4 +25,4 @@ if [ -d $D/mart ]; then
 fi
 echo "== peers"
 for s in 4x128 8x1024; do python3 bench/peer_lora_gpu.py smollm2-135m $s eager compile; done 2>&1 | grep -v Warning | tail -n 6
-[ -d $D/mart ] && timeout 240 python3 bench/peer_mamba_gpu.py 8x1024 1 2>&1 | tail -n 2
+[ -d $D/mart ] && timeout 240 python3 bench/peer_mamba.py 8x1024 1 2>&1 | tail -n 2

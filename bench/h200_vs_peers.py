@@ -6,7 +6,7 @@
 
 Mamba cases (mamba*: HF Mamba shapes, LoRA on in/x/dt_proj as the PEFT peer, activation
 checkpointing, the scan on lorac's CUDA kernels) run their peers through
-bench/peer_mamba_gpu.py, one process per mode: `torch` (transformers' PyTorch path) and
+bench/peer_mamba.py, one process per mode: `torch` (transformers' PyTorch path) and
 `mamba_ssm` (its CUDA kernels, where bench/h200_build_mamba_ssm.sh built them).
 
 A lorac step is what `lorac train` runs each step: the compiled training step (loss and every
@@ -200,7 +200,7 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
         if os.environ.get("NO_PEERS"):
             modes = []
         if peer_model == "mamba":  # one process per mode: the torch path hides mamba_ssm from transformers
-            commands = [(mode, ["peer_mamba_gpu.py", f"{B}x{S}", "2", mode, "--hidden", str(cfg["hidden_size"]),
+            commands = [(mode, ["peer_mamba.py", f"{B}x{S}", "2", mode, "--hidden", str(cfg["hidden_size"]),
                                 "--layers", str(cfg["num_hidden_layers"])]) for mode in modes]
         else:
             commands = [(",".join(modes), ["peer_lora_gpu.py", peer_model, f"{B}x{S}", *modes])] if modes else []

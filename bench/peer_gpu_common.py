@@ -1,4 +1,4 @@
-"""Shared by the torch+PEFT GPU peers (peer_mamba_gpu.py, peer_lora_gpu.py): the LoRA+
+"""Shared by the torch+PEFT GPU peers (peer_mamba.py, peer_lora_gpu.py): the LoRA+
 AdamW they train with and how a training step is timed."""
 import time
 
@@ -19,11 +19,12 @@ def train_step_seconds(fwd, ids, opt, steps: int, warm: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     for _ in range(warm):
         step()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t) / steps
