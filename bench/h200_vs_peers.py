@@ -81,7 +81,7 @@ def _engine(case: str, cache: str, weights=None):
     if spec.arch == "mamba":
         targets, kw["extra"] = MAMBA_TARGETS, {"scan_chunk": DEVICE_CHUNK["cuda"]}
     train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, **kw)
-    optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, total_steps=100)
+    optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
     eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True))
     return eng, spec, optim
 
