@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .attention import Mask, attention_backward, attention_forward
 from .builder import GraphBuilder
-from .linear import Proj, add_lora, linear_backward, linear_forward, linear_group_forward
+from .linear import Proj, add_lora, linear_forward, linear_group_forward, projection_backward
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_at, rope_backward, rope_forward, rope_tables
@@ -131,12 +131,8 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     N = B * S
 
     def proj_back(dout, x, t, want_dx=True):
-        p = L.proj[t]
-        dx, da, db = linear_backward(g, dout, x, s.u[t], p, want_dx)
-        if da is not None:
-            grads[lora_name(L.idx, t, "A")] = da
-            grads[lora_name(L.idx, t, "B")] = db
-        return dx
+        names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
+        return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dact = proj_back(dy, s.act, "down_proj")

@@ -52,6 +52,15 @@ def linear_backward(g, dy, x, u, p: Proj, need_dx: bool = True):
     return dx, da, db
 
 
+def projection_backward(g, grads: dict, names, dy, x, u, p: Proj, need_dx: bool = True):
+    """linear_backward of one projection of a layer, its LoRA gradients (if it is adapted)
+    stored in `grads` under `names` = (A's name, B's name) -> dx or None."""
+    dx, da, db = linear_backward(g, dy, x, u, p, need_dx)
+    if da is not None:
+        grads[names[0]], grads[names[1]] = da, db
+    return dx
+
+
 def linear_group_forward(g, x, projs: list):
     """Projections that read the same x (q/k/v; gate/up): each frozen GEMM as linear_forward,
     but the adapted ones' A matrices concatenated into one [k*r, in], so x meets them in one

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .builder import GraphBuilder
 from .conv import conv_backward, conv_forward
 from .decoder import embed  # noqa: F401 - the same token embedding (compose.py calls it)
-from .linear import Proj, add_lora, linear_backward, linear_forward
+from .linear import Proj, add_lora, linear_forward, projection_backward
 from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
@@ -165,11 +165,8 @@ def layer_backward(c: Ctx, dy, L: MambaLayer, s: MambaSaved, need_dx: bool, grad
     depth = 4 if need_dx else max(_DEPTH[t] for t, p in L.proj.items() if p.a is not None)
 
     def proj_back(dout, x, t, want_dx):
-        dx, da, db = linear_backward(g, dout, x, s.lora[t], L.proj[t], want_dx)
-        if da is not None:
-            grads[lora_name(L.idx, t, "A")] = da
-            grads[lora_name(L.idx, t, "B")] = db
-        return dx
+        names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
+        return projection_backward(g, grads, names, dout, x, s.lora[t], L.proj[t], want_dx)
 
     # x_out = x + out_proj(silu(z) y)
     dgated = proj_back(dy, s.gated, "out_proj", depth >= 1)

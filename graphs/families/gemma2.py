@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe  # noqa: F401 - the decoders' context (RoPE tables, dims) and doc line
-from ..linear import Proj, add_lora, linear_backward, linear_forward, linear_group_forward
+from ..linear import Proj, add_lora, linear_forward, linear_group_forward, projection_backward
 from ..mlp import geglu_backward, geglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
 from ..rope import rope_backward, rope_forward
@@ -178,10 +178,8 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     N, H = B * S, K * G
 
     def proj_back(dout, x, t, want_dx=True):
-        dx, da, db = linear_backward(g, dout, x, s.u[t], L.proj[t], want_dx)
-        if da is not None:
-            grads[lora_name(L.idx, t, "A")], grads[lora_name(L.idx, t, "B")] = da, db
-        return dx
+        names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
+        return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
     # MLP block: x_out = x1 + post_ffw_norm(down(geglu(gate(h2), up(h2)))), h2 = pre_ffw_norm(x1)
     ddn = rmsnorm_backward(g, dy, L.norms["post_feedforward_layernorm"], s.n_ffw)

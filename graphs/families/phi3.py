@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, embed  # noqa: F401 - the decoders' context, embedding and doc line
-from ..linear import Proj, add_lora, linear_backward, linear_forward
+from ..linear import Proj, add_lora, linear_forward, projection_backward
 from ..mlp import swiglu_backward, swiglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
 from ..rope import rope_backward, rope_forward
@@ -157,10 +157,8 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     N, H = B * S, K * G
 
     def proj_back(dout, x, t, want_dx=True):
-        dx, da, db = linear_backward(g, dout, x, s.u[t], L.proj[t], want_dx)
-        if da is not None:
-            grads[lora_name(L.idx, t, "A")], grads[lora_name(L.idx, t, "B")] = da, db
-        return dx
+        names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
+        return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
     # MLP block: x_out = x1 + down(swiglu(gate, up)), [gate | up] = gate_up(norm(x1))
     dgate, dup = swiglu_backward(g, proj_back(dy, s.act, "down_proj"), s.gate, s.up)
