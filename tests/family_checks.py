@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 
 from lorac.graphs import ModelSpec, TrainSpec, build_eval_graph, build_training_graph
-from oracles import assert_grads_match, batch, hf_model, hf_weights, random_lora, rel_err, run_ort, torch_reference
+from oracles import assert_grads_match, batch, directional_fd, hf_model, hf_weights, random_lora, rel_err, run_ort, torch_reference
 
 
 def hf_parity(cfg: dict, B: int, S: int, targets=None, rslora=False, seed=0):
@@ -40,13 +40,8 @@ def finite_differences(cfg: dict, B: int, S: int, seed=0):
     grads = sorted(k for k in out if k.endswith(".grad"))
     assert len(grads) == 2 * len(spec.targets) * spec.layers
     for gname in grads:
-        name = gname[: -len(".grad")]
-        v = rng.standard_normal(f[name].shape)
-        plus, minus = dict(f), dict(f)
-        plus[name], minus[name] = f[name] + eps * v, f[name] - eps * v
-        fd = (run_ort(loss_model, plus)["loss"] - run_ort(loss_model, minus)["loss"]) / (2 * eps)
-        an = float(np.sum(out[gname] * v))
-        assert abs(an) > 1e-8 and abs(fd - an) <= 1e-6 * max(1.0, abs(fd)), (name, fd, an)
+        fd, an = directional_fd(loss_model, f, out, gname, rng, eps)
+        assert abs(an) > 1e-8 and abs(fd - an) <= 1e-6 * max(1.0, abs(fd)), (gname, fd, an)
 
 
 def save_hf(cfg: dict, path, seed=0):

@@ -114,3 +114,14 @@ def assert_frozen_prefix_matches(model, feeds: dict, ref: dict, below: int = 1) 
     assert set(grads(out)) == {k for k in grads(ref) if not any(f".layers.{i}." in k for i in range(below))}
     for k, v in grads(out).items():
         assert rel_err(v, ref[k]) <= 1e-6, k
+
+
+def directional_fd(loss_model, feeds: dict, out: dict, gname: str, rng, eps: float = 1e-6) -> tuple[float, float]:
+    """(central finite difference of the loss along a random direction v of input
+    gname[:-5], the analytic gradient out[gname] . v), in the feeds' dtype (float64)."""
+    name = gname[: -len(".grad")]
+    v = rng.standard_normal(feeds[name].shape)
+    plus, minus = dict(feeds), dict(feeds)
+    plus[name], minus[name] = feeds[name] + eps * v, feeds[name] - eps * v
+    fd = (run_ort(loss_model, plus)["loss"] - run_ort(loss_model, minus)["loss"]) / (2 * eps)
+    return fd, float(np.sum(out[gname] * v))
