@@ -155,7 +155,8 @@ class Engine(Graphs):
         self._arts: dict = {}
         from lorac.graphs.optimizer import buckets
         self._buckets = buckets(self.shapes)
-        self._p = None  # set_state: {bucket key: flat device tensor}, also _m, _v, _g
+        self._p = None  # set_state: {bucket key: flat device tensor}, also _m, _v
+        self._g = None  # data parallel only: the flat gradients the grad_reducer sums in place
         self._pushed: dict = {}  # id(bound-input step) -> the flat params last copied into its buffers
 
     def _recipe(self, kind: str):
@@ -200,7 +201,6 @@ class Engine(Graphs):
         dev = self._artifact("train")._dev
         put = lambda d: {k: tvm.runtime.tensor(x, dev) for k, x in pack(self._buckets, d).items()}
         self._p, self._m, self._v = put(lora), put(m), put(v)
-        self._g = {k: tvm.runtime.empty((x.shape[0],), "float32", dev) for k, x in self._p.items()}
         self._pushed.clear()
 
     @property
@@ -265,9 +265,15 @@ class Engine(Graphs):
         opt = self._artifact("adamw")
         flat = self._flat(grads, ".grad")
         if self.grad_reducer is not None:  # summed in place over the workers: the engine's own buffers
+            if self._g is None:
+                import tvm
+                self._g = {k: tvm.runtime.empty((x.shape[0],), "float32", x.device) for k, x in self._p.items()}
             for k, g in flat.items():
                 buf = self._g[k[:-len(".grad")]]
-                buf.copyfrom(np.ascontiguousarray(g, np.float32)) if isinstance(g, np.ndarray) else g.copyto(buf)
+                if isinstance(g, np.ndarray):
+                    buf.copyfrom(np.ascontiguousarray(g, np.float32))
+                else:
+                    g.copyto(buf)
             self.grad_reducer(self._g, grad_share)
             flat = {f"{k}.grad": t for k, t in self._g.items()}
         feeds = {}
