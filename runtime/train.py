@@ -181,7 +181,7 @@ class TrainConfig:
         return range(lo, hi)
 
 
-def resolve_packing(packing: str | None, spec, target: str = "cpu") -> str:
+def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
     """--packing auto (or None) -> "isolated" where the model family implements it and the
     target runs it at plain packing's cost; "plain" for Mamba (its conv and scan would need
     their state reset at document starts: not implemented) and on cuda, where the packed
