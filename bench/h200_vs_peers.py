@@ -41,7 +41,7 @@ MAMBA_130M = dict(model_type="mamba", vocab_size=50280, hidden_size=768, state_s
                   num_hidden_layers=24, tie_word_embeddings=True)
 MAMBA_370M = {**MAMBA_130M, "hidden_size": 1024, "num_hidden_layers": 48}  # state-spaces/mamba-370m-hf
 MAMBA_790M = {**MAMBA_130M, "hidden_size": 1536, "num_hidden_layers": 48}  # state-spaces/mamba-790m-hf
-MAMBA_TARGETS = ("in_proj", "x_proj", "dt_proj")  # what PEFT trains on HF's Mamba
+MAMBA_PEER_TARGETS = ("in_proj", "x_proj", "dt_proj")  # what the PEFT peer trains on HF's Mamba
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                  rope_theta=500000.0)
@@ -67,20 +67,18 @@ PEAK = 790e12
 
 
 def _engine(case: str, cache: str, weights=None):
-    from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec
+    from lorac.graphs import ModelSpec, TrainSpec
+    from lorac.graphs.families import for_spec
+    from lorac.graphs.loss import auto_chunk
     from lorac.runtime.engine import Engine
     from lorac.runtime.optim import LoraPlusConfig
 
-    from lorac.graphs.loss import auto_chunk
-    from lorac.graphs.mamba import DEVICE_CHUNK
-
     cfg, _, B, S, extra, _ = CASES[case]
     spec = ModelSpec.from_hf_config(cfg)
+    fam = for_spec(spec)
     kw = {"loss_chunk": auto_chunk(spec.vocab, B * S), **extra}  # `lorac train`'s CUDA default
-    targets = tuple(ALL_TARGETS)
-    if spec.arch == "mamba":
-        targets, kw["extra"] = MAMBA_TARGETS, {"scan_chunk": DEVICE_CHUNK["cuda"]}
-    train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, **kw)
+    targets = MAMBA_PEER_TARGETS if spec.arch == "mamba" else fam.TARGETS  # what the PEFT peer trains
+    train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, extra=fam.train_extra("cuda", 0), **kw)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
     eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True))
     return eng, spec, optim
