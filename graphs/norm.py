@@ -18,6 +18,12 @@ def rmsnorm_forward(g, x, w, eps: float):
     return g.op("Mul", g.op("Mul", x, rstd), w), (x, rstd)
 
 
+def rmsnorm_apply(g, w, saved):
+    """The forward's y again, from what it kept: a backward recomputes y instead of keeping it."""
+    x, rstd = saved
+    return g.op("Mul", g.op("Mul", x, rstd), w)
+
+
 def rmsnorm_backward(g, dy, w, saved):
     # with gw = dy*w: dxhat = gw and d rstd/dx = -rstd^3 x / D, so
     # dx = rstd * (gw - xhat * mean(gw * xhat))
