@@ -182,9 +182,10 @@ def bind_all_inputs(mod):
     return mod
 
 
-def build_passes(passes: list, plan: dict | None = None) -> list:
+def build_passes(passes: list, plan: dict | None = None, arena: bool = False) -> list:
     """A target's Relax `passes` as lorac builds with them: CachedLegalize before
-    LegalizeOps (legalize_cache.py), and, given a `plan` dict, a read-only pass after
+    LegalizeOps (legalize_cache.py), with `arena` the arena plan after StaticPlanBlockMemory
+    (memory_plan.py), and, given a `plan` dict, a read-only pass after
     StaticPlanBlockMemory that writes into it the bytes of device storage the static memory
     plan allocates (all planned tensors, shared by lifetime) and the number of tensors left
     to the runtime's allocator (shapes it could not plan, ops that allocate their own
@@ -194,6 +195,7 @@ def build_passes(passes: list, plan: dict | None = None) -> list:
     from tvm import relax
 
     from .legalize_cache import CachedLegalize
+    from .memory_plan import ArenaPlan
 
     @tvm.transform.module_pass(opt_level=0, name="LoracRecordMemoryPlan")
     def record(mod, _ctx):
@@ -215,8 +217,11 @@ def build_passes(passes: list, plan: dict | None = None) -> list:
         if p.info.name == "LegalizeOps":
             out.append(CachedLegalize)
         out.append(p)
-        if p.info.name == "StaticPlanBlockMemory" and plan is not None:
-            out.append(record)
+        if p.info.name == "StaticPlanBlockMemory":
+            if arena:
+                out.append(ArenaPlan)
+            if plan is not None:
+                out.append(record)
     return out
 
 
@@ -291,7 +296,8 @@ def _build(proto, tmod, request: dict, dtype: str, tune: int, art_dir: Path) -> 
     import tvm
 
     plan: dict = {}
-    seq = tvm.transform.Sequential(build_passes(tmod.relax_passes(tvm_target), plan))
+    seq = tvm.transform.Sequential(build_passes(tmod.relax_passes(tvm_target), plan,
+                                                arena=getattr(tmod, "ARENA_PLAN", False)))
 
     @tvm.transform.module_pass(opt_level=0, name="LoracRelaxPipeline")
     def pipeline(m, _ctx):

@@ -12,6 +12,7 @@ from pathlib import Path
 FAMILY = "aarch64"
 DEVICE = "cpu"
 GEMM_LIBRARY = True
+ARENA_PLAN = True  # one arena for the planned tensors (compiler/memory_plan.py)
 DTYPES = ("float32",)
 TRIPLE = "aarch64-linux-gnu"
 LINKER = "aarch64-linux-gnu-gcc"

@@ -11,6 +11,7 @@ from .target_common import export_shared_library as export  # noqa: F401 - targe
 FAMILY = "cpu"
 DEVICE = "cpu"
 GEMM_LIBRARY = True  # numpy's BLAS through lorac.runtime.gemm_cpu
+ARENA_PLAN = True  # one arena for the planned tensors (compiler/memory_plan.py)
 DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
 
 

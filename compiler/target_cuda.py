@@ -23,6 +23,7 @@ from lorac.core.errors import LoracError
 FAMILY = "cuda"
 DEVICE = "cuda"
 GEMM_LIBRARY = True  # cuBLAS through lorac.runtime.gemm_cuda
+ARENA_PLAN = True  # one arena for the planned tensors (compiler/memory_plan.py)
 # sums of GEMM results as one cuBLAS chain with beta = 1 (gemm_sum.py); not on the CPU, where
 # TVM's add kernels run on every core and numpy's accumulate would run on one
 ACCUMULATING_GEMMS = True
