@@ -53,9 +53,9 @@ CASES = {
     "8b-4x2048": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "loss_chunk": 2048},
                   ["compile", "eager-gc"]),
     "8b-4x2048-full": (LLAMA3_8B, "llama3-8b", 4, 2048, {"loss_chunk": 2048}, []),  # no checkpointing
-    "8b-4x2048-keep11": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 11, "loss_chunk": 2048},
-                         ["compile"]),  # the top 11 layers keep their activations: <= 40 GB
-    "8b-4x2048-keep13": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 13, "loss_chunk": 2048},
+    "8b-4x2048-keep20": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 20, "loss_chunk": 2048},
+                         ["compile"]),  # the top 20 layers keep their activations: <= 40 GB
+    "8b-4x2048-keep22": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 22, "loss_chunk": 2048},
                          []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
