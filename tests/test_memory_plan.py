@@ -1,0 +1,129 @@
+"""The step's memory plan (compiler/memory_plan.py, compiler/units.py): the arena's offsets
+never overlap while two tensors live, the arena plans less than TVM's token pools with the
+same results, it composes with the CUDA-graph rewrite, and GEMMs are bound where the graph
+put them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _compiler_graphs import SMALL_QWEN3, random_inputs, small_training_graph
+
+tvm = pytest.importorskip("tvm")
+
+
+def _check_offsets(size, first, last):
+    from lorac.compiler.memory_plan import ALIGN, assign_offsets
+
+    offset, total = assign_offsets(size, first, last)
+    keys = list(size)
+    for t in keys:
+        assert offset[t] % ALIGN == 0 and offset[t] + size[t] <= total
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            if first[a] <= last[b] and first[b] <= last[a]:  # alive together: apart in memory
+                assert offset[a] + size[a] <= offset[b] or offset[b] + size[b] <= offset[a], (a, b)
+    steps = range(min(first.values()), max(last.values()) + 1)
+    peak = max(sum(size[t] for t in keys if first[t] <= s <= last[t]) for s in steps)
+    assert peak <= total <= sum(-(-n // ALIGN) * ALIGN for n in size.values())
+    return offset, total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_offsets_never_overlap_while_live(seed):
+    rng = np.random.default_rng(seed)
+    n = 60
+    first = {f"t{i}": int(rng.integers(0, 100)) for i in range(n)}
+    last = {t: s + int(rng.integers(0, 30)) for t, s in first.items()}
+    size = {t: int(rng.choice([1, 200, 256, 4096, 70_000, 1 << 20])) for t in first}
+    _check_offsets(size, first, last)
+
+
+def test_offsets_reuse_memory_across_lifetimes():
+    # a chain where each tensor dies as the next is born needs two slots, not five
+    size = {f"t{i}": 1024 for i in range(5)}
+    first = {f"t{i}": i for i in range(5)}
+    last = {f"t{i}": i + 1 for i in range(5)}
+    _, total = _check_offsets(size, first, last)
+    assert total == 2 * 1024
+
+
+def _compile(tmp_path, name, arena: bool, monkeypatch):
+    from lorac.compiler import compile_graph, target_cpu
+    from lorac.runtime.artifact import load_artifact
+
+    monkeypatch.setattr(target_cpu, "ARENA_PLAN", arena)
+    monkeypatch.setenv("LORAC_ISOLATED_BUILD", "1")  # build in this process, with the patched target
+    model = small_training_graph(seq=12)
+    art = compile_graph(model, target="cpu", out_dir=tmp_path / name, force=True)
+    step = load_artifact(art, "cpu")
+    return step.manifest["memory"]["static_plan_bytes"], step(random_inputs(model))
+
+
+def test_arena_plans_less_with_identical_results(tmp_path, monkeypatch):
+    tvm_plan, ref = _compile(tmp_path, "tokens", False, monkeypatch)
+    arena_plan, out = _compile(tmp_path, "arena", True, monkeypatch)
+    assert 0 < arena_plan < tvm_plan
+    assert ref.keys() == out.keys()
+    for k in ref:
+        np.testing.assert_array_equal(out[k], ref[k], err_msg=k)  # same kernels on other addresses
+
+
+def _cuda_mod(arena: bool):
+    """The CUDA Relax passes (no codegen, no GPU) of a bf16 checkpointed step with CUDA graphs."""
+    from lorac.compiler import target_cuda
+    from lorac.compiler.pipeline import bind_all_inputs, build_passes, lower_to_relax
+    from lorac.compiler.target_cuda import pass_config, relax_passes, tvm_target
+    from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
+
+    spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 3})
+    model = build_training_graph(spec, TrainSpec(batch=2, seq=32, rank=4, lora_targets=tuple(ALL_TARGETS),
+                                                 checkpointing=True, keep_layers=1))
+    mod, _, _, _ = lower_to_relax(model, target_cuda, "bfloat16")
+    request = {"kind": "cuda", "cuda_graph": True}
+    plan: dict = {}
+    with tvm_target(request), tvm.transform.PassContext(opt_level=3, config=pass_config(request)):
+        mod = tvm.transform.Sequential(build_passes(relax_passes(tvm_target(request)), plan, arena=arena))(
+            bind_all_inputs(mod))
+    return mod, plan["static_plan_bytes"]
+
+
+def test_arena_composes_with_cuda_graphs():
+    from tvm import relax
+
+    def captured(mod):
+        return sorted(gv.name_hint for gv, f in mod.functions_items()
+                      if isinstance(f, relax.Function) and "cuda_graph" in gv.name_hint)
+
+    tokens, tvm_plan = _cuda_mod(False)
+    arena, arena_plan = _cuda_mod(True)
+    assert arena_plan < tvm_plan
+    assert captured(arena) == captured(tokens) and captured(arena)  # the same capture regions
+    assert "ensure_zero_offset" in arena["main"].script()  # tensors at offsets reach kernels as views
+
+
+def test_gemms_are_bound_where_the_graph_puts_them():
+    # the loss chunks' dh = dlogits E GEMMs (E the tied embedding) each right after their
+    # chunk's logits GEMM, not all at the Concat that joins them (which kept every chunk's
+    # dlogits alive together)
+    from lorac.compiler import target_cpu
+    from lorac.compiler.pipeline import import_onnx
+    from lorac.graphs import ModelSpec, TrainSpec, build_training_graph
+    from tvm import relax
+
+    spec = ModelSpec.from_hf_config(SMALL_QWEN3)
+    model = build_training_graph(spec, TrainSpec(batch=2, seq=8, rank=4, lora_targets=("q_proj",), loss_chunk=4))
+    mod, _, _ = import_onnx(model, target_cpu, "float32")
+    bindings = [b for blk in mod["main"].body.blocks for b in blk.bindings]
+    defs = {b.var: b.value for b in bindings}
+
+    def reads_embed(e):
+        if isinstance(e, relax.Var) and e in defs:
+            e = defs[e]
+        if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.permute_dims":
+            return reads_embed(e.args[0]) and "t"
+        return "n" if isinstance(e, relax.Var) and e.name == "model_embed_tokens_weight" else ""
+
+    kinds = [reads_embed(b.value.args[1]) for b in bindings
+             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
+    kinds = [k for k in kinds if k]
+    assert kinds == ["t", "n"] * 4  # 16 tokens in chunks of 4: logits, then dh, per chunk
