@@ -35,20 +35,32 @@ class Layer:
 class Saved:
     """What one layer's backward reads (kept by the forward, or recomputed with checkpointing).
 
-    Only what costs a GEMM or attention to recompute is kept. The backward recomputes the
-    two norms' outputs (q/k/v's and gate/up's input, for their LoRA A gradients) from
-    the norms' statistics, and silu(gate) * up (down_proj's input) from gate and up: one
-    elementwise kernel each instead of keeping [N, D], [N, D] and [N, I] (0.37 GB a
-    layer for a Llama-3-8B shape at 8192 tokens; docs/BENCHMARKS.md)."""
-    n1: object  # input_layernorm statistics (norm.py): its input and rstd
+    With checkpointing (memory asked for), the backward reads only what costs a GEMM or
+    attention to recompute: it recomputes the two norms' outputs (q/k/v's and gate/up's
+    input, for their LoRA A gradients) from the norms' statistics, and silu(gate) * up
+    (down_proj's input) from gate and up, one elementwise kernel each instead of keeping
+    [N, D], [N, D] and [N, I] (0.37 GB a layer for a Llama-3-8B shape at 8192 tokens, so
+    --keep-layers can keep more layers; docs/BENCHMARKS.md). Without checkpointing it
+    reads them as the forward left them, which is faster (`recomputed`)."""
+    h1: object  # input_layernorm output: q/k/v's input
+    n1: object  # its statistics (norm.py): its input and rstd
     nq: object  # q_norm / k_norm statistics (qwen3), else None
     nk: object
     att: object  # attention.AttentionSaved
     a2: object  # attention output [N, H Dh]: o_proj's input
-    n2: object  # post_attention_layernorm statistics
+    h2: object  # post_attention_layernorm output: gate/up's input
+    n2: object
     gate: object
     up: object
+    act: object  # silu(gate) * up: down_proj's input
     u: dict  # target -> s x A^T of its LoRA (None if not adapted)
+
+    def recomputed(self, g, L: "Layer", lean: bool):
+        """(h1, h2, act) for the backward: recomputed when `lean`, else as kept."""
+        if not lean:
+            return self.h1, self.h2, self.act
+        return (rmsnorm_apply(g, L.in_norm, self.n1), rmsnorm_apply(g, L.post_norm, self.n2),
+                swiglu_forward(g, self.gate, self.up))
 
 
 class Ctx:
@@ -124,7 +136,7 @@ def layer_forward(c: Ctx, x, L: Layer):
     act = swiglu_forward(g, gt, up)
     dn, ud = linear_forward(g, act, L.proj["down_proj"])
     u = dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo, down_proj=ud)
-    return g.op("Add", x1, dn), Saved(n1, nq, nk, sa, a2, n2, gt, up, u)
+    return g.op("Add", x1, dn), Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, act, u)
 
 
 def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
@@ -137,11 +149,10 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
-    # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1); h2 and the
-    # swiglu output recomputed (Saved)
-    dact = proj_back(dy, swiglu_forward(g, s.gate, s.up), "down_proj")
+    h1, h2, act = s.recomputed(g, L, lean=c.train.checkpointing)
+    # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
+    dact = proj_back(dy, act, "down_proj")
     dgt, dup = swiglu_backward(g, dact, s.gate, s.up)
-    h2 = rmsnorm_apply(g, L.post_norm, s.n2)
     dh2 = g.add_all(proj_back(dgt, h2, "gate_proj"), proj_back(dup, h2, "up_proj"))
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s.n2))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
@@ -155,7 +166,6 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     dq = g.reshape(dq4, N, K * G * Dh)
     dk = g.reshape(dk4, N, K * Dh)
     dv = g.reshape(dv4, N, K * Dh)
-    h1 = rmsnorm_apply(g, L.in_norm, s.n1)
     dh1 = [proj_back(d, h1, t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
     if not need_dx:
         return None

@@ -41,7 +41,7 @@ def test_frozen_prefix_matches_full_backward():
 
 
 @pytest.mark.parametrize("variant", [dict(checkpointing=True), dict(loss_chunk=5), dict(checkpointing=True, loss_chunk=4),
-                                     dict(checkpointing=True, keep_layers=1)])
+                                     dict(checkpointing=True, keep_layers=1), dict(checkpointing=True, keep_layers=3)])
 def test_variant_matches_plain(variant):
     plain = TrainSpec(batch=2, seq=7, lora_targets=ALL_TARGETS, rank=3, alpha=6)
     spec, feeds = _feeds(CFG, plain)
@@ -64,6 +64,11 @@ def test_checkpointing_lowers_peak_live_bytes():
     part = peak_live_bytes(build_training_graph(spec, TrainSpec(checkpointing=True, keep_layers=3, **kw)))
     assert ckpt < part < plain, (ckpt, part, plain)
     assert [TrainSpec(checkpointing=True, keep_layers=3, **kw).recomputes(spec, i) for i in range(6)] == [True] * 3 + [False] * 3
+    # with checkpointing, a kept layer keeps only what costs a GEMM or attention to recompute
+    # (decoder.Saved): keeping all six layers needs less than no checkpointing, which keeps
+    # the norms' outputs and silu(gate) * up too
+    lean = peak_live_bytes(build_training_graph(spec, TrainSpec(checkpointing=True, keep_layers=6, **kw)))
+    assert part < lean < plain, (part, lean, plain)
 
 
 def test_whole_model_finite_differences_float64():
