@@ -57,6 +57,8 @@ CASES = {
                          ["compile"]),  # the top 20 layers keep their activations: <= 40 GB
     "8b-4x2048-keep22": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 22, "loss_chunk": 2048},
                          []),
+    "8b-4x2048-keep32": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 32, "loss_chunk": 2048},
+                         []),  # nothing recomputed but the lean saved set (graphs/decoder.py Saved)
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
     "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
