@@ -17,7 +17,8 @@ GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(m
 relax_passes(target), export(executable, art_dir, target) -> manifest fields; optional:
 pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu),
 native_units(dtype) (the lorac units it maps whole: units.py; the rest are inlined),
-ACCUMULATING_GEMMS (sums of GEMMs as one accumulating call: gemm_sum.py; cuda).
+ACCUMULATING_GEMMS (sums of GEMMs as one accumulating call: gemm_sum.py; cuda),
+ARENA_PLAN (the planned tensors in one arena: memory_plan.py; cpu, aarch64, cuda).
 """
 from __future__ import annotations
 
