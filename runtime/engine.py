@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from lorac.core import artifact_cache
+from lorac.core.dtypes import as_dtype
 from lorac.core.keys import digest, versions
 from lorac.core.loraplus import AdamWConstants
 
@@ -178,6 +179,8 @@ class Engine(Graphs):
         """The loaded artifact of graph `kind`, compiled on first use."""
         if kind not in self._arts:
             step = self._arts[kind] = load_artifact(self.compile(kind), self.device)
+            if kind == "train":
+                self.log(memory_summary(step.manifest, self.shapes, self.device))
             if kind != "adamw" and self._weights is None:
                 self._weights = self._upload(step, self._host_weights)
                 self._host_weights = None  # the device holds them now
@@ -296,6 +299,21 @@ class Engine(Graphs):
         step = self._artifact(f"forward:{ids.shape[0]},{ids.shape[1]}")
         # the forward artifact takes the frozen weights in the same dtypes: share the device copies
         return step({**self._weights, **self._feed(step, lora), "input_ids": ids})["logits"]
+
+
+def memory_summary(manifest: dict, lora_shapes: dict, device: str) -> str:
+    """One line on what a training step holds on its device: the compiled step's static
+    plan (activations and workspace), the frozen weights as the artifact takes them, and
+    the LoRA tensors with their gradients and AdamW moments (fp32)."""
+    plan = manifest["memory"]["static_plan_bytes"]
+    frozen = sum(int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize for i in manifest["inputs"]
+                 if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
+    state = 4 * 4 * sum(int(np.prod(s)) for s in lora_shapes.values())
+    gb = lambda n: f"{n / 1e9:.1f} GB"
+    return (f"{device} memory for training: step activations and workspace {gb(plan)} (static plan), frozen "
+            f"weights {gb(frozen)}, LoRA tensors + gradients + AdamW moments {gb(state)}; total "
+            f"{gb(plan + frozen + state)} before library workspaces (--checkpointing and --keep-layers trade "
+            "activation memory for time)")
 
 
 def _lora_shape(spec, train, name: str) -> tuple[int, int]:

@@ -127,3 +127,19 @@ def test_gemms_are_bound_where_the_graph_puts_them():
              if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
     kinds = [k for k in kinds if k]
     assert kinds == ["t", "n"] * 4  # 16 tokens in chunks of 4: logits, then dh, per chunk
+
+
+def test_memory_summary_adds_plan_weights_and_state():
+    from lorac.runtime.engine import memory_summary
+
+    manifest = {"memory": {"static_plan_bytes": 3_000_000_000},
+                "inputs": [{"name": "input_ids", "shape": [2, 8], "dtype": "int64"},
+                           {"name": "model.embed_tokens.weight", "shape": [1000, 500], "dtype": "bfloat16"},
+                           {"name": "model.norm.weight", "shape": [500], "dtype": "float32"},
+                           {"name": "lora_A.param", "shape": [4096], "dtype": "float32"}]}
+    line = memory_summary(manifest, {"x.lora_A.weight": (4, 1000), "x.lora_B.weight": (1000, 4)}, "cuda")
+    # weights 1000*500*2 + 500*4 bytes; state 4 arrays of 8000 fp32; the LoRA input is not a weight
+    assert "activations and workspace 3.0 GB" in line and "frozen weights 0.0 GB" in line
+    assert "total 3.0 GB" in line and line.startswith("cuda memory for training")
+    big = dict(manifest, inputs=[{"name": "lm_head.weight", "shape": [128256, 4096], "dtype": "bfloat16"}])
+    assert "frozen weights 1.1 GB" in memory_summary(big, {}, "cuda")
