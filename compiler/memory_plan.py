@@ -42,9 +42,8 @@ def _const_int(e) -> int | None:
 
 
 def _vars_in(expr) -> list:
-    found = []
-    relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
-    return found
+    """The variables `expr` reads (a binding's value has no bindings of its own inside)."""
+    return list(relax.analysis.free_vars(expr))
 
 
 def _storage_bytes(call) -> int | None:
@@ -116,12 +115,14 @@ def assign_offsets(size: dict, first: dict, last: dict) -> tuple[dict, int]:
     for k, t in enumerate(order):
         n = -(-size[t] // ALIGN) * ALIGN
         live = (start[:k] <= last[t]) & (end[:k] >= first[t])
-        spans = sorted(zip(lo[:k][live].tolist(), hi[:k][live].tolist()))
         at = 0
-        for a, b in spans:
-            if a - at >= n:
-                break
-            at = max(at, b)
+        if live.any():  # the lowest gap of n bytes between the live tensors' ranges
+            a, b = lo[:k][live], hi[:k][live]
+            by = np.argsort(a, kind="stable")
+            a, reach = a[by], np.maximum.accumulate(b[by])  # reach: the end of everything before
+            before = np.concatenate(([0], reach[:-1]))
+            fits = np.nonzero(a - before >= n)[0]
+            at = int(before[fits[0]]) if fits.size else int(reach[-1])
         offset[t] = at
         lo[k], hi[k], start[k], end[k] = at, at + n, first[t], last[t]
         total = max(total, at + n)
