@@ -41,7 +41,7 @@ class Saved:
     (down_proj's input) from gate and up, one elementwise kernel each instead of keeping
     [N, D], [N, D] and [N, I] (0.37 GB a layer for a Llama-3-8B shape at 8192 tokens, so
     --keep-layers can keep more layers; docs/BENCHMARKS.md). Without checkpointing it
-    reads them as the forward left them, which is faster (`recomputed`)."""
+    reads them as the forward left them, which is faster (`projection_inputs`)."""
     h1: object  # input_layernorm output: q/k/v's input
     n1: object  # its statistics (norm.py): its input and rstd
     nq: object  # q_norm / k_norm statistics (qwen3), else None
@@ -55,12 +55,14 @@ class Saved:
     act: object  # silu(gate) * up: down_proj's input
     u: dict  # target -> s x A^T of its LoRA (None if not adapted)
 
-    def recomputed(self, g, L: "Layer", lean: bool):
-        """(h1, h2, act) for the backward: recomputed when `lean`, else as kept."""
-        if not lean:
-            return self.h1, self.h2, self.act
-        return (rmsnorm_apply(g, L.in_norm, self.n1), rmsnorm_apply(g, L.post_norm, self.n2),
-                swiglu_forward(g, self.gate, self.up))
+
+def projection_inputs(g, s, in_norm, post_norm, gated, lean: bool):
+    """(h1, h2, act) of a layer's Saved `s` (fields h1, n1, h2, n2, gate, up, act), the LoRA
+    A gradients' inputs: as the forward kept them, or with `lean` (checkpointing) recomputed
+    from the norms' statistics and gate/up (`gated`: the MLP's activation, e.g. swiglu_forward)."""
+    if not lean:
+        return s.h1, s.h2, s.act
+    return rmsnorm_apply(g, in_norm, s.n1), rmsnorm_apply(g, post_norm, s.n2), gated(g, s.gate, s.up)
 
 
 class Ctx:
@@ -149,7 +151,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
-    h1, h2, act = s.recomputed(g, L, lean=c.train.checkpointing)
+    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, swiglu_forward, lean=c.train.checkpointing)
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dact = proj_back(dy, act, "down_proj")
     dgt, dup = swiglu_backward(g, dact, s.gate, s.up)

@@ -24,6 +24,23 @@ def hf_parity(cfg: dict, B: int, S: int, targets=None, rslora=False, seed=0):
     assert_grads_match(out, *torch_reference(model, lora, ids, labels, train.scale), min_norm=1e-6)
 
 
+def checkpointing_matches_plain(cfg: dict, B: int, S: int, seed=0):
+    """With --checkpointing, the recomputed layers and the kept ones (which recompute the
+    norms' outputs and the MLP activation: decoder.projection_inputs) give the plain graph's
+    loss and gradients."""
+    spec = ModelSpec.from_hf_config(cfg)
+    kw = dict(batch=B, seq=S, lora_targets=tuple(spec.targets), rank=3, alpha=6)
+    plain = TrainSpec(**kw)
+    ids, labels = batch(spec, plain)
+    feeds = {**hf_weights(hf_model(cfg, seed)), **random_lora(spec, plain), "input_ids": ids, "labels": labels}
+    ref = run_ort(build_training_graph(spec, plain), feeds)
+    out = run_ort(build_training_graph(spec, TrainSpec(**kw, checkpointing=True, keep_layers=1)), feeds)
+    assert abs(out["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"])
+    for k, v in ref.items():
+        if k.endswith(".grad"):
+            assert rel_err(out[k], v) <= 1e-5, k
+
+
 def finite_differences(cfg: dict, B: int, S: int, seed=0):
     """Every LoRA gradient of the float64 training graph against central differences of the
     float64 eval graph's loss (an independent formulation: LogSoftmax, no hand backward)."""

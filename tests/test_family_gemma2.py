@@ -3,7 +3,7 @@ attention and final-logit soft-capping, sliding windows on alternate layers, hea
 import pytest
 
 pytest.importorskip("transformers")
-from family_checks import exports, finite_differences, gguf_loading, hf_dir_loading, hf_parity  # noqa: E402
+from family_checks import checkpointing_matches_plain, exports, finite_differences, gguf_loading, hf_dir_loading, hf_parity  # noqa: E402
 
 from lorac.graphs import ModelSpec, TrainSpec, build_training_graph  # noqa: E402
 
@@ -25,6 +25,10 @@ CASES = {  # name: (config changes, batch, seq, targets, rslora)
 def test_grads_match_transformers(name):
     change, B, S, targets, rslora = CASES[name]
     hf_parity({**BASE, **change}, B, S, targets, rslora)
+
+
+def test_checkpointing_matches_plain():
+    checkpointing_matches_plain(BASE, 2, 6)
 
 
 def test_finite_differences_float64():

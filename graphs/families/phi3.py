@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
-from ..decoder import Ctx, describe, embed  # noqa: F401 - the decoders' context, embedding and doc line
+from ..decoder import Ctx, describe, embed, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
 from ..linear import Proj, add_lora, linear_forward, projection_backward
 from ..mlp import swiglu_backward, swiglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
@@ -95,7 +95,8 @@ class Layer:
 
 @dataclass
 class Saved:
-    """What one layer's backward reads (kept by the forward, or recomputed with checkpointing)."""
+    """What one layer's backward reads (kept by the forward, or recomputed with checkpointing;
+    with checkpointing h1, h2 and act are recomputed: decoder.projection_inputs)."""
     h1: object  # input_layernorm output, qkv_proj's input
     n1: object  # its norm statistics
     att: AttentionSaved
@@ -160,16 +161,17 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
+    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, swiglu_forward, lean=c.train.checkpointing)
     # MLP block: x_out = x1 + down(swiglu(gate, up)), [gate | up] = gate_up(norm(x1))
-    dgate, dup = swiglu_backward(g, proj_back(dy, s.act, "down_proj"), s.gate, s.up)
-    dh2 = proj_back(g.op("Concat", dgate, dup, axis=1), s.h2, "gate_up_proj")
+    dgate, dup = swiglu_backward(g, proj_back(dy, act, "down_proj"), s.gate, s.up)
+    dh2 = proj_back(g.op("Concat", dgate, dup, axis=1), h2, "gate_up_proj")
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s.n2))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), [q | k | v] = qkv(norm(x))
     da2 = proj_back(dx1, s.a2, "o_proj")
     dqr, dkr, dv = attention_backward(g, g.reshape(da2, B, S, H, Dh), s.att, c.dims)
     dq = g.reshape(rope_backward(g, dqr, c.cos, c.sin, Dh), N, H * Dh)
     dk = g.reshape(rope_backward(g, dkr, c.cos, c.sin, Dh), N, K * Dh)
-    dh1 = proj_back(g.op("Concat", dq, dk, g.reshape(dv, N, K * Dh), axis=1), s.h1, "qkv_proj", need_dx)
+    dh1 = proj_back(g.op("Concat", dq, dk, g.reshape(dv, N, K * Dh), axis=1), h1, "qkv_proj", need_dx)
     if not need_dx:
         return None
     return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s.n1))
