@@ -95,9 +95,9 @@ def lifetimes(bindings: list, result) -> tuple[dict, dict, dict] | None:
         elif not isinstance(v, relax.Call) or op in ("relax.reshape", "relax.memory.view",
                                                       "relax.memory.ensure_zero_offset"):
             # a copy of a variable, a tuple or its item, a view: the same memory
-            refs = {t for r in _vars_in(v) for t in holds.get(r, ())}
-            if refs:
-                holds[b.var] = tuple(refs)
+            held = {t for r in refs for t in holds.get(r, ())}
+            if held:
+                holds[b.var] = tuple(held)
     for r in _vars_in(result):
         for t in holds.get(r, ()):
             last[t] = len(bindings)
@@ -158,7 +158,7 @@ def arena_plan(func: relax.Function) -> relax.Function:
                     continue
                 # the VM makes a tensor at an offset as (storage base, byte_offset), and TVM's
                 # kernels read only the base; ensure_zero_offset moves the offset into the
-                # pointer (a view, on devices with pointer arithmetic on the host: ARENA_TARGETS)
+                # pointer (a view, on devices with pointer arithmetic on the host: ARENA_PLAN)
                 raw = relax.Var(b.var.name + "_at", b.var.ty)
                 out.append(relax.VarBinding(raw, at))
                 out.append(relax.VarBinding(b.var, relax.op.memory.ensure_zero_offset(raw)))

@@ -15,7 +15,7 @@ def rmsnorm_forward(g, x, w, eps: float):
     # Qwen3-0.6B step)
     ms = g.op("Mul", g.reduce_sum(g.op("Mul", x, x), -1), g.f(1.0 / int(w.shape[0])))
     rstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.f(eps))))
-    return g.op("Mul", g.op("Mul", x, rstd), w), (x, rstd)
+    return rmsnorm_apply(g, w, (x, rstd)), (x, rstd)
 
 
 def rmsnorm_apply(g, w, saved):
