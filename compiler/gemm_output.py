@@ -55,15 +55,10 @@ def _narrowable(value, dtype: str) -> bool:
 
 @mutator
 class _NarrowOutputs(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, dtype: str):
+    def __init__(self, mod: tvm.IRModule, dtype: str, narrow: set):
         super().__init__(mod)
         self.dtype = dtype
-        self.narrow = set()  # dataflow vars bound to a narrowable GEMM, read only in the block
-        for block in dataflow_blocks(mod):
-            values = {b.var: b.value for b in block.bindings}
-            for var in relax.analysis.udchain(block):
-                if isinstance(var, relax.DataflowVar) and _narrowable(values.get(var), dtype):
-                    self.narrow.add(var)
+        self.narrow = narrow  # the dataflow vars whose values are stored in `dtype`
         self.low = {}  # old fp32 var -> the bf16 var that replaces it
         self.count = 0
 
@@ -78,8 +73,11 @@ class _NarrowOutputs(PyExprMutator):
         if binding.var not in self.narrow:
             return super().visit_var_binding_(binding)
         call = self.visit_expr(binding.value)
-        ty = relax.TensorType(call.ty.shape, self.dtype)
-        self.low[binding.var] = self.builder_.emit(relax.call_dps_packed(call.args[0], call.args[1], ty))
+        if call.op == _DPS:  # a vendor GEMM writes `dtype` itself
+            low = relax.call_dps_packed(call.args[0], call.args[1], relax.TensorType(call.ty.shape, self.dtype))
+        else:  # a TVM kernel: the narrowing fuses into it
+            low = relax.op.astype(self.builder_.emit(call), self.dtype)
+        self.low[binding.var] = self.builder_.emit(low)
         self.count += 1
         return None
 
@@ -116,11 +114,23 @@ class _NarrowOutputs(PyExprMutator):
         return call
 
 
-def narrow_gemm_outputs(mod: tvm.IRModule, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int]:
-    """-> (module, number of GEMMs that now write `dtype`)."""
-    rw = _NarrowOutputs(mod, dtype)
-    if not rw.narrow:
+def narrow_values(mod: tvm.IRModule, narrow: set, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int]:
+    """Store the values of the dataflow vars in `narrow` (each bound to a vendor GEMM's call or
+    an elementwise fp32 result) in `dtype`, each reader widening its own copy as above.
+    -> (module, number of values narrowed)."""
+    if not narrow:
         return mod, 0
+    rw = _NarrowOutputs(mod, dtype, narrow)
     mod = rewrite_functions(rw, mod)
     # the widenings that gathers and GEMMs no longer read
     return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod)), rw.count
+
+
+def narrow_gemm_outputs(mod: tvm.IRModule, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int]:
+    """-> (module, number of GEMMs that now write `dtype`)."""
+    narrow = set()  # dataflow vars bound to a narrowable GEMM, read only in the block
+    for block in dataflow_blocks(mod):
+        values = {b.var: b.value for b in block.bindings}
+        narrow |= {var for var in relax.analysis.udchain(block)
+                   if isinstance(var, relax.DataflowVar) and _narrowable(values.get(var), dtype)}
+    return narrow_values(mod, narrow, dtype)

@@ -155,7 +155,8 @@ def import_onnx(proto: onnx.ModelProto, tmod, dtype: str):
 def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
     """The Relax module a target builds, before its own passes: import (units.py), the
     target's prepare, bf16 weights (precision.py), GEMM dispatch (gemm.py), accumulating
-    sums (gemm_sum.py) and bf16 GEMM outputs (gemm_output.py). -> (module, mapped units,
+    sums (gemm_sum.py), bf16 GEMM outputs (gemm_output.py) and the bf16 residual stream
+    (residual_stream.py). -> (module, mapped units,
     their calls, the manifest's `gemm` record)."""
     mod, units, unit_calls = import_onnx(proto, tmod, dtype)
     mod = tmod.prepare(mod)
@@ -171,7 +172,10 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
         gemm = {"dispatched": n, "left_to_tvm": left, "accumulating": acc}
         if dtype == "bfloat16":
             from .gemm_output import narrow_gemm_outputs
+            from .residual_stream import RESIDUAL_KEY, narrow_residuals
             mod, gemm["bf16_outputs"] = narrow_gemm_outputs(mod)
+            if {p.key: p.value for p in proto.metadata_props}.get(RESIDUAL_KEY) != "float32":
+                mod, gemm["bf16_residuals"] = narrow_residuals(mod)
     return mod, units, unit_calls, gemm
 
 

@@ -152,16 +152,18 @@ class GraphBuilder:
         return self.op("Slice", x, self.ints(start), self.ints(end), self.ints(axis))
 
     # -- finish -------------------------------------------------------------------------
-    def finish(self, doc: str = "", data_prop: bool = True) -> onnx.ModelProto:
-        """The checked model. data_prop=False for a graph of long 1-D vectors (the optimizer's):
-        ONNX's data propagation keeps a 1-D tensor's values as a shape, ~1 KB per element
-        (2.6 GB for 2M elements; an 8B adapter's optimizer graph ran the host out of memory)."""
+    def finish(self, doc: str = "", data_prop: bool = True, metadata: dict | None = None) -> onnx.ModelProto:
+        """The checked model, with `metadata` as its metadata_props (hints to the compiler).
+        data_prop=False for a graph of long 1-D vectors (the optimizer's): ONNX's data
+        propagation keeps a 1-D tensor's values as a shape, ~1 KB per element (2.6 GB for 2M
+        elements; an 8B adapter's optimizer graph ran the host out of memory)."""
         opsets = {"": OPSET, **({DOMAIN: 1} if self.functions else {})}
         graph = ir.Graph(self.inputs, self.outputs, nodes=self.nodes, initializers=self.initializers,
                          opset_imports=opsets, name=self.name, doc_string=doc or None)
         proto = ir.to_proto(ir.Model(graph, ir_version=IR_VERSION, producer_name="lorac",
                                      functions=list(self.functions.values())))
         proto.graph.ClearField("value_info")
+        onnx.helper.set_model_props(proto, dict(metadata or {}))
         proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True, data_prop=data_prop)
         onnx.checker.check_model(proto, full_check=True)
         return proto

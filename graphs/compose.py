@@ -55,7 +55,7 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     g.output(g.reshape(loss), "loss")
     for name in fam.lora_tensor_names(spec, train):
         g.output(grads[name], name + ".grad")
-    return g.finish(doc=fam.describe(spec, train, "training"))
+    return g.finish(doc=fam.describe(spec, train, "training"), metadata=_metadata(fam))
 
 
 def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
@@ -63,7 +63,7 @@ def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     fam = family(spec)
     g, hN, head = _forward_only(fam, spec, train, dtype, "forward")
     g.output(g.reshape(logits_forward(g, hN, head, spec.logit_softcap), train.batch, train.seq, spec.vocab), "logits")
-    return g.finish(doc=fam.describe(spec, train, "forward"))
+    return g.finish(doc=fam.describe(spec, train, "forward"), metadata=_metadata(fam))
 
 
 def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
@@ -73,7 +73,16 @@ def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     labels = g.input("labels", [train.batch, train.seq], INT64)
     g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk, spec.logit_softcap)),
              "loss")
-    return g.finish(doc=fam.describe(spec, train, "eval"))
+    return g.finish(doc=fam.describe(spec, train, "eval"), metadata=_metadata(fam))
+
+
+RESIDUAL_KEY = "lorac.residual_dtype"  # graph metadata: "float32" where the stream must stay fp32
+
+
+def _metadata(fam) -> dict:
+    """What the compiler may not infer from the ops: a family whose reference keeps the
+    residual stream in fp32 in bf16 models (compiler/residual_stream.py)."""
+    return {RESIDUAL_KEY: "float32"} if fam.RESIDUAL_IN_FP32 else {}
 
 
 def lora_tensor_names(spec, train) -> list[str]:

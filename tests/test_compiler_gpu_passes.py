@@ -17,7 +17,7 @@ SMALL_MAMBA = dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size
 
 def _cuda_plan(model, dtype: str, cuda_graph: bool = False) -> dict:
     """Run compile_graph's CUDA Relax passes (import, bf16, GEMM dispatch, legalize, DLight,
-    memory plan, CUDA graphs if asked) without codegen; -> the recorded plan. Raises if a
+    memory plan and its arena, CUDA graphs if asked) without codegen; -> the recorded plan. Raises if a
     kernel is left unscheduled."""
     from lorac.compiler import target_cuda
     from lorac.compiler.pipeline import bind_all_inputs, build_passes, lower_to_relax
@@ -30,7 +30,7 @@ def _cuda_plan(model, dtype: str, cuda_graph: bool = False) -> dict:
     plan: dict = {}
     target = tvm_target(request)
     with target, tvm.transform.PassContext(opt_level=3, config=pass_config(request)):
-        mod = tvm.transform.Sequential(build_passes(relax_passes(target), plan))(mod)
+        mod = tvm.transform.Sequential(build_passes(relax_passes(target), plan, arena=target_cuda.ARENA_PLAN))(mod)
     unscheduled = [gv.name_hint for gv, f in mod.functions_items()
                    if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)]
     assert not unscheduled, unscheduled
@@ -208,3 +208,57 @@ def test_weight_gradients_are_computed_where_the_layer_is_and_written_at_the_end
     per_layer_input = 2 * 64 * SMALL_QWEN3["hidden_size"] * 4  # one kept fp32 [tokens, hidden] a layer
     intermediate = 2 * 64 * 512 * 2  # a bf16 [tokens, intermediate]
     assert plans[1] - plans[0] < 2 * per_layer_input + intermediate, plans
+
+
+GEMMA2 = dict(model_type="gemma2", vocab_size=53, hidden_size=24, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=10, intermediate_size=37, sliding_window=4, query_pre_attn_scalar=7,
+              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+PHI3 = dict(model_type="phi3", vocab_size=53, hidden_size=36, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, intermediate_size=37, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+
+
+@pytest.mark.parametrize("config", [{**SMALL_QWEN3, "num_hidden_layers": 3}, GEMMA2, PHI3], ids=["qwen3", "gemma2", "phi3"])
+def test_bf16_residual_stream_is_stored_in_bf16_and_the_gradient_stream_is_not(config):
+    """bf16 builds of the decoder families store the residual sums in bf16 (as transformers'
+    bf16 models hold their hidden states): two a layer, in the forward only (the backward's
+    gradient sums stay fp32), written by a kernel that adds in fp32 and rounds once; with
+    checkpointing a recomputed layer's sums round the same way as the forward's. fp32
+    builds narrow nothing."""
+    from tvm import relax
+
+    from lorac.compiler import target_cuda
+    from lorac.compiler.pipeline import lower_to_relax
+    from lorac.compiler.relax_rewrite import dataflow_blocks
+
+    spec = ModelSpec.from_hf_config(config)
+    from lorac.graphs.families import for_spec
+    targets = for_spec(spec).TARGETS  # every target (phi3's are its fused matrices)
+    counts = {}
+    for ckpt in (False, True):
+        model = build_training_graph(spec, TrainSpec(batch=2, seq=12, rank=4, lora_targets=targets,
+                                                     checkpointing=ckpt))
+        mod, _, _, gemm = lower_to_relax(model, target_cuda, "bfloat16")
+        counts[ckpt] = gemm["bf16_residuals"]
+        adds = [b for blk in dataflow_blocks(mod) for b in blk.bindings
+                if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.add")
+                and list(b.var.ty.shape.values) == [2 * 12, spec.hidden]]
+        fp32_adds = [b for b in adds if str(b.var.ty.dtype) == "float32"]
+        assert fp32_adds, "the gradient stream's sums"
+        assert "bf16_residuals" not in lower_to_relax(model, target_cuda, "float32")[3]
+    # each layer's two sums; with checkpointing every layer's recomputed forward also forms
+    # x1 = x + o (its post-attention norm's input; its output sum is dead code there)
+    assert counts[False] == 2 * spec.layers, counts
+    assert counts[True] == 3 * spec.layers, counts
+
+
+def test_mamba_keeps_its_residual_stream_in_fp32():
+    """HF Mamba keeps its residual in fp32 (residual_in_fp32): its graph says so and the bf16
+    build narrows no residual sum."""
+    from lorac.compiler import target_cuda
+    from lorac.compiler.pipeline import lower_to_relax
+    from lorac.graphs.compose import RESIDUAL_KEY
+
+    model = _mamba(False)
+    assert {p.key: p.value for p in model.metadata_props} == {RESIDUAL_KEY: "float32"}
+    assert "bf16_residuals" not in lower_to_relax(model, target_cuda, "bfloat16")[3]
+    assert not _decoder(False).metadata_props

@@ -31,6 +31,8 @@ A family module defines (llama.py is the model to copy):
                       options it has no use for)
   CONTEXT_LIMITED    whether max_position_embeddings bounds --seq
   PACKING_ISOLATED   whether --packing isolated is implemented (its graph takes position_ids)
+  RESIDUAL_IN_FP32   whether its reference keeps the residual stream in fp32 in bf16 models
+                     (the graph's metadata then tells the compiler: compiler/residual_stream.py)
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ REQUIRED = ("MODEL_TYPES", "HF_ARCHITECTURES", "TARGETS", "spec_from_hf", "decla
             "layer_forward", "layer_backward", "lora_tensor_names", "describe", "lora_name", "weight_name",
             "required_tensors", "PEFT_LEFT_OUT", "GGUF_ARCHS", "config_from_gguf", "GGUF_LAYER_NAMES",
             "GGUF_GLOBAL_NAMES", "tensor_from_gguf", "GGUF_TARGETS", "gguf_export", "train_extra",
-            "CONTEXT_LIMITED", "PACKING_ISOLATED")
+            "CONTEXT_LIMITED", "PACKING_ISOLATED", "RESIDUAL_IN_FP32")
 
 
 @functools.cache

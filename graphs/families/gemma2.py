@@ -43,6 +43,7 @@ TARGETS = llama.TARGETS
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
 PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
+RESIDUAL_IN_FP32 = False
 train_extra = no_train_extra("gemma2")
 weight_name = llama.weight_name
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")

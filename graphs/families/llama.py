@@ -20,6 +20,7 @@ TARGETS = ATTN_TARGETS + MLP_TARGETS
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
 PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
+RESIDUAL_IN_FP32 = False  # bf16 builds may store the residual stream in bf16, as transformers does
 train_extra = no_train_extra("this model")
 
 

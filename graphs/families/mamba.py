@@ -18,6 +18,7 @@ HF_ARCHITECTURES = {"mamba": "MambaForCausalLM"}
 TARGETS = MAMBA_TARGETS
 CONTEXT_LIMITED = False  # no position embeddings: any --seq
 PACKING_ISOLATED = False  # the conv and scan would need their state reset at document starts
+RESIDUAL_IN_FP32 = True  # HF MambaConfig.residual_in_fp32 (default True): the stream stays fp32
 # targets a PEFT adapter leaves out, and why (both measured; docs/MAMBA.md "Export"). The
 # merged export carries them. transformers 5.x MambaMixer.forward: `self.dt_proj.weight @ time_step`.
 PEFT_LEFT_OUT = {

@@ -39,6 +39,7 @@ BLOCK = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", 
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
 PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
+RESIDUAL_IN_FP32 = False
 train_extra = no_train_extra("phi3")
 
 

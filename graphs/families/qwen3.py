@@ -17,6 +17,7 @@ TARGETS = llama.TARGETS
 PEFT_LEFT_OUT: dict = {}
 CONTEXT_LIMITED = True
 PACKING_ISOLATED = True  # packed rows: position_ids restart RoPE and mask attention per document
+RESIDUAL_IN_FP32 = False
 train_extra = no_train_extra("qwen3")
 weight_name = llama.weight_name
 
