@@ -59,6 +59,11 @@ CASES = {
                          []),
     "8b-4x2048-keep32": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 32, "loss_chunk": 2048},
                          []),  # nothing recomputed but the lean saved set (graphs/decoder.py Saved)
+    # 1024-token loss chunks: half the logits buffers of 2048 (0.5 GB), room for one more kept layer
+    "8b-4x2048-keep26": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 26, "loss_chunk": 1024},
+                         ["compile"]),  # <= 40 GB
+    "8b-4x2048-keep27": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 27, "loss_chunk": 1024},
+                         []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
     "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
@@ -158,7 +163,7 @@ def lorac_case(cache: str, case: str, steps: int = 10) -> dict:
     sys.modules["torch"] = None
     eng, spec, optim, m, batches, base = case_engine(cache, case)
     B, S = CASES[case][2], CASES[case][3]
-    times, losses = [], []
+    times, losses, mem = [], [], {}
     t_first = time.perf_counter()
     for t in range(1, steps + 4):
         ids = batches[t % len(batches)]
@@ -168,12 +173,31 @@ def lorac_case(cache: str, case: str, steps: int = 10) -> dict:
         losses.append(round(loss, 5))
         if t == 1:
             first_s = time.perf_counter() - t_first
+            mem["after_first_step"] = round((_gpu_used() - base) / 1e9, 2)
     step_s = float(np.median(times[3:]))
+    parts = _parts(eng, optim, batches)
     plan = m.get("memory", {})
     return dict(lorac=case, B=B, S=S, step_ms=round(step_s * 1e3, 2), tok_s=round(B * S / step_s),
                 mem_gb=round((_gpu_used() - base) / 1e9, 2), plan_gb=round(plan.get("static_plan_bytes", 0) / 1e9, 2),
                 first_step_s=round(first_s, 2), losses=losses[:3] + losses[-2:],
-                mfu=round(model_flops(CASES[case][0], B, S) / step_s / PEAK, 3))
+                mfu=round(model_flops(CASES[case][0], B, S) / step_s / PEAK, 3), parts_ms=parts, mem_stages_gb=mem)
+
+
+def _parts(eng, optim, batches, n: int = 5) -> dict:
+    """Where a full step's time goes: the compiled step alone (loss read back) and the update
+    alone (grad-norm read back), each waited for, medians of n."""
+    from lorac.runtime.optim import group_lrs
+    step, update = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        out = eng.step({"input_ids": batches[i % len(batches)], "labels": batches[i % len(batches)]}, eng.lora)
+        t1 = time.perf_counter()
+        out.pop("loss")
+        eng.update(out, *group_lrs(100 + i, optim), 100 + i)
+        t2 = time.perf_counter()
+        step.append(t1 - t0)
+        update.append(t2 - t1)
+    return {"step": round(float(np.median(step)) * 1e3, 2), "update": round(float(np.median(update)) * 1e3, 2)}
 
 
 def _json_lines(text: str) -> list[dict]:

@@ -7,7 +7,8 @@ those passes over fp32 activations were a large share of the TVM kernels' time. 
 `R.add` whose operands are both GEMM results used nowhere else becomes one call of
 `lorac.gemm_acc_<layouts>` (e.g. `lorac.gemm_acc_ntnt`, two letters per pair as in
 `lorac.gemm_<ta><tb>`), which the runtime runs as the first GEMM writing `out` and each
-further one accumulating into it (cuBLAS beta = 1). Targets opt in (ACCUMULATING_GEMMS). Chains fold:
+further one accumulating into it (cuBLAS beta = 1). The terms go in order of their
+reduction length: a LoRA term (K = r) writes `out` first and the frozen GEMM adds into it. Targets opt in (ACCUMULATING_GEMMS). Chains fold:
 an accumulating call used only by another such Add joins it. The replaced GEMMs are dead
 afterwards and DeadCodeElimination drops them.
 """
@@ -52,7 +53,10 @@ class _SumFuser(PyExprMutator):
         lhs, rhs = (self._terms_of(x) for x in call.args)
         if lhs is None or rhs is None:
             return call
-        terms = lhs + rhs
+        # the thinnest reduction first: it writes `out` and the big GEMMs add into it, reading
+        # it in their epilogue while they compute, instead of a rank-r GEMM reading and
+        # rewriting the whole output after them
+        terms = sorted(lhs + rhs, key=_reduced_length)
         name = ACC_PREFIX + "".join(layout for layout, _, _ in terms)
         self.fused += 1
         return relax.call_dps_packed(name, [x for _, a, b in terms for x in (a, b)], call.ty)
@@ -70,6 +74,13 @@ class _SumFuser(PyExprMutator):
         if name.startswith(GEMM_PREFIX) and len(args) == 2 and str(value.ty.dtype) == "float32":
             return [(name[len(GEMM_PREFIX):], args[0], args[1])]
         return None
+
+
+def _reduced_length(term) -> int:
+    """K of a (layout, a, b) term: the length its GEMM sums over."""
+    layout, a, _ = term
+    shape = _static_shape(a.ty)
+    return shape[-2] if layout[0] == "t" else shape[-1]
 
 
 def _same_shape(a, b) -> bool:
