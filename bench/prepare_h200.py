@@ -44,6 +44,10 @@ BUILDS = [  # (name, model, B, S, dtype, target)
     ("q06", QWEN3_06B, 1, 512, "bfloat16", "cuda"),
     # the same through TVM's CUDA graphs
     ("40m", QWEN3_40M, 4, 256, "float32", "cuda-graph"),
+    # checkpointed (lean layers: SwiGLU's backward unit also forms silu(gate) * up), against
+    # the fp32 CPU step of the same graph
+    ("40m-ckpt", QWEN3_40M, 4, 256, "float32", "cpu"),
+    ("40m-ckpt", QWEN3_40M, 4, 256, "bfloat16", "cuda"),
     ("40m", QWEN3_40M, 8, 1024, "bfloat16", "cuda-graph"),
     ("q06", QWEN3_06B, 8, 1024, "bfloat16", "cuda-graph"),
     ("q06", QWEN3_06B, 1, 512, "bfloat16", "cuda-graph"),

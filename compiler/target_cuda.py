@@ -62,12 +62,14 @@ def binds_inputs(request: dict) -> bool:
 def native_units(dtype: str) -> dict:
     """Mamba's selective scan units become lorac's own TIR kernels in both dtypes
     (scan_units.py); bf16 builds map the attention units to cuDNN's fused SDPA
-    (attention_cudnn.py); cuDNN has no fp32 SDPA, so fp32 builds inline them as TVM kernels."""
+    (attention_cudnn.py) and SwiGLU's backward to one kernel per call (swiglu_units.py);
+    cuDNN has no fp32 SDPA, so fp32 builds inline them as TVM kernels."""
     from .scan_units import converters as scan
     if dtype != "bfloat16":
         return scan(gpu=True)
     from .attention_cudnn import converters as attention
-    return {**attention(), **scan(gpu=True, narrow="bfloat16")}
+    from .swiglu_units import converters as swiglu
+    return {**attention(), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16")}
 
 
 def _nvcc() -> str | None:

@@ -59,10 +59,30 @@ class Saved:
 def projection_inputs(g, s, in_norm, post_norm, gated, lean: bool):
     """(h1, h2, act) of a layer's Saved `s` (fields h1, n1, h2, n2, gate, up, act), the LoRA
     A gradients' inputs: as the forward kept them, or with `lean` (checkpointing) recomputed
-    from the norms' statistics and gate/up (`gated`: the MLP's activation, e.g. swiglu_forward)."""
+    from the norms' statistics and gate/up (`gated`: the MLP's activation, e.g. geglu_forward;
+    None where the activation's backward unit forms it: act is None, gated_mlp_backward)."""
     if not lean:
         return s.h1, s.h2, s.act
-    return rmsnorm_apply(g, in_norm, s.n1), rmsnorm_apply(g, post_norm, s.n2), gated(g, s.gate, s.up)
+    act = gated(g, s.gate, s.up) if gated is not None else None
+    return rmsnorm_apply(g, in_norm, s.n1), rmsnorm_apply(g, post_norm, s.n2), act
+
+
+def gated_mlp_backward(g, proj_back, dy, s, act):
+    """(dgate, dup) of a SwiGLU MLP from dy = dLoss/d down_proj's output: down_proj's
+    backward (`proj_back(dout, x, target)`), then SwiGLU's. `act` None (a lean layer): the
+    SwiGLU backward unit also forms silu(gate) * up, down_proj's LoRA A gradient's input, in
+    the kernel that reads gate and up for the gradients anyway."""
+    if act is not None:
+        return swiglu_backward(g, proj_back(dy, act, "down_proj"), s.gate, s.up)
+    got = []
+
+    def formed(dact):
+        dgate, dup, a = swiglu_backward(g, dact, s.gate, s.up, with_act=True)
+        got.extend((dgate, dup))
+        return a
+
+    proj_back(dy, formed, "down_proj")
+    return tuple(got)
 
 
 class Ctx:
@@ -151,10 +171,9 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
-    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, swiglu_forward, lean=c.train.checkpointing)
+    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing)
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
-    dact = proj_back(dy, act, "down_proj")
-    dgt, dup = swiglu_backward(g, dact, s.gate, s.up)
+    dgt, dup = gated_mlp_backward(g, proj_back, dy, s, act)
     dh2 = g.add_all(proj_back(dgt, h2, "gate_proj"), proj_back(dup, h2, "up_proj"))
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s.n2))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)

@@ -37,18 +37,23 @@ def linear_forward(g, x, p: Proj):
 
 
 def linear_backward(g, dy, x, u, p: Proj, need_dx: bool = True):
-    """Returns (dx or None, dA or None, dB or None)."""
-    da = db = dx = None
+    """Returns (dx or None, dA or None, dB or None). `x` is the projection's input, or a
+    function of dx that returns it (a lean layer forms down_proj's input in the unit that
+    takes dx: decoder.gated_mlp_backward)."""
+    da = db = dx = du = None
     if p.a is not None:
         # dB = dy^T u = s dy^T (x A^T); du = s dy B; dA = du^T x
         db = g.matmul(g.transpose(dy, 1, 0), u)
         du = g.op("Mul", g.matmul(dy, p.b), g.f(p.scale))
-        da = g.matmul(g.transpose(du, 1, 0), x)
     if need_dx:
         # dx = dy W + du A
         dx = g.matmul(dy, p.w)
         if p.a is not None:
             dx = g.op("Add", dx, g.matmul(du, p.a))
+    if callable(x):
+        x = x(dx)
+    if p.a is not None:
+        da = g.matmul(g.transpose(du, 1, 0), x)
     return dx, da, db
 
 

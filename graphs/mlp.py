@@ -1,5 +1,6 @@
-"""Gated MLP activations, forward and backward: SwiGLU a = silu(gate) * up (Llama, Qwen, Phi-3)
-and GeGLU a = gelu_tanh(gate) * up (Gemma 2). Shapes: gate, up [N, I]."""
+"""Gated MLP activations, forward and backward: SwiGLU a = silu(gate) * up (Llama, Qwen, Phi-3,
+Mamba's gate) and GeGLU a = gelu_tanh(gate) * up (Gemma 2). Shapes: gate, up [N, I] (or any
+shape: every op is elementwise, so SwiGLU's backward units bake in only the dtype)."""
 from __future__ import annotations
 
 
@@ -10,16 +11,31 @@ def swiglu_forward(g, gate, up):
     return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
 
 
-def swiglu_backward(g, da, gate, up):
+SWIGLU_GRAD = "SwiGLUGrad"  # (da, gate, up) -> (dgate, dup)
+SWIGLU_GRAD_ACT = "SwiGLUGradAct"  # (da, gate, up) -> (dgate, dup, silu(gate) * up)
+
+
+def swiglu_backward(g, da, gate, up, with_act: bool = False):
+    """(dgate, dup), with `with_act` also a = silu(gate) * up (down_proj's input, which a lean
+    layer recomputes instead of keeping: graphs/decoder.py). A unit: on CUDA bf16 one kernel
+    reads da, gate and up once and writes all its results (compiler/swiglu_units.py), where
+    inlined each result is a kernel of its own that reads them again."""
+    name = SWIGLU_GRAD_ACT if with_act else SWIGLU_GRAD
+    return g.call(name, g.np_float.name, [da, gate, up], 3 if with_act else 2,
+                  lambda fb, d, gt, u: _swiglu_grad_body(fb, d, gt, u, with_act))
+
+
+def _swiglu_grad_body(g, da, gate, up, with_act: bool):
     # d silu/dx = sg (1 + x (1 - sg)); dgate = da up silu'(gate), dup = da silu(gate).
     # Each result computes sigmoid(gate) itself: one shared sigmoid would be a kernel of its
-    # own, writing [N, I] fp32 that both results' kernels then read
+    # own, writing [N, I] fp32 that both results' kernels then read (units.KEPT_APART keeps
+    # the inlined copies from merging)
     one = g.f(1.0)
     sg = g.op("Sigmoid", gate)
     dsilu = g.op("Mul", sg, g.op("Add", one, g.op("Mul", gate, g.op("Sub", one, sg))))
     dgate = g.op("Mul", g.op("Mul", da, up), dsilu)
     dup = g.op("Mul", da, g.op("Mul", gate, g.op("Sigmoid", gate)))
-    return dgate, dup
+    return (dgate, dup, swiglu_forward(g, gate, up)) if with_act else (dgate, dup)
 
 
 GELU_C = 0.7978845608028654  # sqrt(2 / pi)

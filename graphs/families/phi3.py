@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
-from ..decoder import Ctx, describe, embed, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
+from ..decoder import Ctx, describe, embed, gated_mlp_backward, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
 from ..linear import Proj, add_lora, linear_forward, projection_backward
-from ..mlp import swiglu_backward, swiglu_forward
+from ..mlp import swiglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
 from ..rope import rope_backward, rope_forward
 from ..spec import ModelSpec, count_field, number_field
@@ -162,9 +162,9 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
-    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, swiglu_forward, lean=c.train.checkpointing)
+    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing)
     # MLP block: x_out = x1 + down(swiglu(gate, up)), [gate | up] = gate_up(norm(x1))
-    dgate, dup = swiglu_backward(g, proj_back(dy, act, "down_proj"), s.gate, s.up)
+    dgate, dup = gated_mlp_backward(g, proj_back, dy, s, act)
     dh2 = proj_back(g.op("Concat", dgate, dup, axis=1), h2, "gate_up_proj")
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s.n2))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), [q | k | v] = qkv(norm(x))
