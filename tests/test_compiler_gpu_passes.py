@@ -104,8 +104,10 @@ def test_elementwise_kernels_are_vectorized():
     4 elements a thread as one vector; kernels with a comparison keep DLight's Fallback."""
     mod = _cuda_plan(_decoder(False), "bfloat16")["_mod"]
     funcs = {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
-    swiglu = [n for n in funcs if "sigmoid" in n]
-    assert len(swiglu) >= 3 and all("T.vectorized(T.int64(4))" in funcs[n] for n in swiglu)
+    swiglu = [n for n in funcs if "sigmoid" in n]  # the forward's silu(gate) * up
+    assert swiglu and all("T.vectorized(T.int64(4))" in funcs[n] for n in swiglu)
+    grad = [n for n in funcs if "swiglu_grad" in n]  # the backward's unit, scheduled by lorac
+    assert grad and all("T.vectorized(4)" in funcs[n] for n in grad)
     assert not any("T.vectorized" in f and "bool" in f for f in funcs.values())
 
 
