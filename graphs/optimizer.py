@@ -98,7 +98,7 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     flat = {b.key: g.input(f"{b.key}.grad", [b.size]) for b in bks}
     lr_a, lr_b, step = g.input("lr_a", []), g.input("lr_b", []), g.input("step", [])
     # global norm: each bucket's sum of squares reduced to [1], then summed
-    sq = [g.reduce_sum(g.op("Mul", flat[b.key], flat[b.key]), 0) for b in bks]
+    sq = [_sum_squares(g, flat[b.key], b.size) for b in bks]
     total = sq[0] if len(sq) == 1 else g.op("Sum", *sq)
     norm = g.op("Sqrt", total)  # [1]
     ok = g.op("Not", g.op("Or", g.op("IsNaN", norm), g.op("IsInf", norm)))  # [1] bool
@@ -135,6 +135,26 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     doc = (f"LoRA+ AdamW: betas=({b1}, {b2}) eps={cfg.eps} weight_decay={cfg.weight_decay} "
            f"max_grad_norm={cfg.max_grad_norm}; lr_a, lr_b, step are inputs")
     return g.finish(doc, data_prop=False)  # flat vectors: builder.finish says why
+
+
+def _row_length(size: int, most: int = 4096) -> int:
+    """The largest power of two <= `most` that divides `size` (1 if it is odd)."""
+    k = 1
+    while k < most and size % (2 * k) == 0:
+        k *= 2
+    return k
+
+
+def _sum_squares(g: GraphBuilder, x, size: int):
+    """sum(x^2) of a flat [size] vector -> [1], in two stages: rows of up to 4096 elements
+    (one GPU block each), then their sums. One reduction over the whole vector is one thread
+    block on a GPU: for a Llama-3-8B adapter's 21M-element buckets that took 3 of the update's
+    4 ms on the H200."""
+    k = _row_length(size)
+    sq = g.op("Mul", x, x)
+    if k < 64 or size // k < 2:
+        return g.reduce_sum(sq, 0)
+    return g.reduce_sum(g.reduce_sum(g.reshape(sq, size // k, k), 1, keepdims=0), 0)
 
 
 def _one_minus_pow(g: GraphBuilder, b: float, t):
