@@ -63,13 +63,15 @@ def native_units(dtype: str) -> dict:
     """Mamba's selective scan units become lorac's own TIR kernels in both dtypes
     (scan_units.py); bf16 builds map the attention units to cuDNN's fused SDPA
     (attention_cudnn.py) and SwiGLU's backward to one kernel per call (swiglu_units.py);
-    cuDNN has no fp32 SDPA, so fp32 builds inline them as TVM kernels."""
+    cuDNN has no fp32 SDPA, so fp32 builds inline them as TVM kernels. The optimizer's
+    AdamWStep updates its bucket in place in one kernel (adamw_units.py; its graph is fp32)."""
+    from .adamw_units import converters as adamw
     from .scan_units import converters as scan
     if dtype != "bfloat16":
-        return scan(gpu=True)
+        return {**scan(gpu=True), **adamw()}
     from .attention_cudnn import converters as attention
     from .swiglu_units import converters as swiglu
-    return {**attention(), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16")}
+    return {**attention(), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16"), **adamw()}
 
 
 def _nvcc() -> str | None:

@@ -139,7 +139,8 @@ def anchor_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     (inside the CUDA graphs); the sum, bound at the end, writes the output: one small
     kernel per output, outside the graphs as output writers are, where the GEMMs
     themselves were before. (A multiplication by one would do, but TVM turns a kernel that
-    copies into a reshape, and the GEMM would write the output again.)"""
+    copies into a reshape, and the GEMM would write the output again.) A unit's outputs are
+    left as they are."""
     from onnx import TensorProto, helper, numpy_helper
 
     by_output = {o: n for n in model.graph.node for o in n.output}
@@ -156,6 +157,8 @@ def anchor_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
             node = by_output.get(name)
         if node is None or name in anchors or types[out.name] not in (TensorProto.FLOAT, TensorProto.DOUBLE):
             continue
+        if node.domain == DOMAIN:  # a unit's kernel writes its outputs where it stands; copying
+            continue  # an in-place unit's (the optimizer's AdamWStep) would undo it
         axis = numpy_helper.from_array(np.asarray([-1], np.int64), f"{name}__axis")
         model.graph.initializer.append(axis)
         anchors[name] = ([helper.make_node("Unsqueeze", [name, axis.name], [f"{name}__unsqueezed"]),

@@ -18,7 +18,9 @@ Where() picks per element and does not propagate NaN from the branch it drops, s
 skipped case returns the inputs bit for bit. The caller must not advance `step` then.
 
 Ops: Mul, Add, Sub, Div, Neg, Sqrt, Exp, Log, Equal, Less, Min, ReduceSum, Reshape, IsNaN, IsInf, Or, Not, Where,
-Cast, Identity: default domain only, all in TVM 0.27's ONNX frontend map. Reductions keep
+Cast, Identity: default domain only, all in TVM 0.27's ONNX frontend map. Each bucket's
+update is a unit (AdamWStep, a local function of those ops): a compiler may run it as one
+kernel that updates p, m and v in place (CUDA: compiler/adamw_units.py). Reductions keep
 dims and end at shape [1] (DLight's GPU reduction rule crashed on a 0-d result with a fused
 epilogue, see NOTES); the scalar outputs are reshaped to [] at the very end.
 """
@@ -112,21 +114,15 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     # bias corrections, shared by every tensor: 1 - beta^t with t the float step input
     bc1, bc2 = _one_minus_pow(g, b1, step), _one_minus_pow(g, b2, step)
 
+    consts = [g.f(x) for x in (b1, 1.0 - b1, b2, 1.0 - b2, cfg.eps)]
     for b in bks:
-        p, m, v = p_in[b.key], m_in[b.key], v_in[b.key]
-        grad = g.op("Mul", flat[b.key], c) if c is not None else flat[b.key]
-        m1 = g.op("Add", g.op("Mul", g.f(b1), m), g.op("Mul", g.f(1.0 - b1), grad))
-        v1 = g.op("Add", g.op("Mul", g.f(b2), v), g.op("Mul", g.f(1.0 - b2), g.op("Mul", grad, grad)))
-        mhat = g.op("Div", m1, bc1)
-        denom = g.op("Add", g.op("Sqrt", g.op("Div", v1, bc2)), g.f(cfg.eps))
-        upd = g.op("Div", mhat, denom)
-        if b.decay and cfg.weight_decay:
-            upd = g.op("Add", upd, g.op("Mul", g.f(cfg.weight_decay), p))  # decoupled: decay acts on p, not on g
         lr = lr_b if b.group == "B" else lr_a
-        p1 = g.op("Sub", p, g.op("Mul", lr, upd))
-        g.output(g.op("Where", ok, p1, p), f"{b.key}.param.new")
-        g.output(g.op("Where", ok, m1, m), f"{b.key}.m.new")
-        g.output(g.op("Where", ok, v1, v), f"{b.key}.v.new")
+        wd = g.f(cfg.weight_decay if b.decay else 0.0)
+        ins = [p_in[b.key], m_in[b.key], v_in[b.key], flat[b.key], c if c is not None else g.f(1.0), ok, lr, bc1, bc2,
+               *consts, wd]
+        new = g.call(ADAMW_STEP, g.np_float.name, ins, 3, _adamw_body)
+        for value, what in zip(new, ("param", "m", "v")):
+            g.output(value, f"{b.key}.{what}.new")
 
     scalar = g.const(np.zeros(0, np.int64))  # Reshape to shape [] (a 0-d tensor)
     g.output(g.op("Reshape", norm, scalar), "grad_norm")
@@ -135,6 +131,22 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     doc = (f"LoRA+ AdamW: betas=({b1}, {b2}) eps={cfg.eps} weight_decay={cfg.weight_decay} "
            f"max_grad_norm={cfg.max_grad_norm}; lr_a, lr_b, step are inputs")
     return g.finish(doc, data_prop=False)  # flat vectors: builder.finish says why
+
+
+ADAMW_STEP = "AdamWStep"  # a unit: CUDA updates p, m, v in place (compiler/adamw_units.py)
+
+
+def _adamw_body(g, p, m, v, grad, c, ok, lr, bc1, bc2, b1, one_b1, b2, one_b2, eps, wd):
+    """One bucket's update: (p, m, v) -> (p', m', v'), the inputs again where not `ok`. The
+    constants are inputs so one body serves every bucket (weight decay 0 for 1-D tensors)."""
+    grad = g.op("Mul", grad, c)  # c = 1 without clipping: x * 1 is x
+    m1 = g.op("Add", g.op("Mul", b1, m), g.op("Mul", one_b1, grad))
+    v1 = g.op("Add", g.op("Mul", b2, v), g.op("Mul", one_b2, g.op("Mul", grad, grad)))
+    mhat = g.op("Div", m1, bc1)
+    denom = g.op("Add", g.op("Sqrt", g.op("Div", v1, bc2)), eps)
+    upd = g.op("Add", g.op("Div", mhat, denom), g.op("Mul", wd, p))  # decoupled: decay acts on p, not on g
+    p1 = g.op("Sub", p, g.op("Mul", lr, upd))
+    return g.op("Where", ok, p1, p), g.op("Where", ok, m1, m), g.op("Where", ok, v1, v)
 
 
 def _row_length(size: int, most: int = 4096) -> int:
@@ -151,10 +163,10 @@ def _sum_squares(g: GraphBuilder, x, size: int):
     block on a GPU: for a Llama-3-8B adapter's 21M-element buckets that took 3 of the update's
     4 ms on the H200."""
     k = _row_length(size)
-    sq = g.op("Mul", x, x)
     if k < 64 or size // k < 2:
-        return g.reduce_sum(sq, 0)
-    return g.reduce_sum(g.reduce_sum(g.reshape(sq, size // k, k), 1, keepdims=0), 0)
+        return g.reduce_sum(g.op("Mul", x, x), 0)
+    rows = g.reshape(x, size // k, k)  # a view; the square fuses into the row sums
+    return g.reduce_sum(g.reduce_sum(g.op("Mul", rows, rows), 1, keepdims=0), 0)
 
 
 def _one_minus_pow(g: GraphBuilder, b: float, t):

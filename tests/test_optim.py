@@ -179,7 +179,8 @@ def test_optimizer_graph_without_clipping_or_decay():
 
 
 def test_optimizer_graph_ops_convert_in_tvm_and_match():
-    """Every op is in TVM's ONNX converter map; the llvm build agrees with the reference."""
+    """Every op is in TVM's ONNX converter map (the AdamWStep units inlined, as the CPU
+    build does); the llvm build agrees with the reference."""
     pytest.importorskip("tvm")
     try:
         from tvm import relax
@@ -187,9 +188,10 @@ def test_optimizer_graph_ops_convert_in_tvm_and_match():
     except ImportError:
         pytest.skip("TVM compiler library not available")
     import tvm
+    from lorac.graphs.builder import inline_units
     from lorac.graphs.optimizer import build_optimizer_graph
     params = lora_tensors(np.random.default_rng(6), layers=1, d=8, ff=8, r=2)
-    model = build_optimizer_graph({k: p.shape for k, p in params.items()}, GRAPH_CFG)
+    model = inline_units(build_optimizer_graph({k: p.shape for k, p in params.items()}, GRAPH_CFG))
     missing = {n.op_type for n in model.graph.node} - set(onnx_frontend._get_convert_map())
     assert not missing, missing
     mod = from_onnx(model, keep_params_in_input=False)
@@ -209,3 +211,41 @@ def test_feed_and_output_names_follow_the_graph():
     model = build_optimizer_graph(shapes, LoraPlusConfig())
     assert [i.name for i in model.graph.input] == optimizer_feed_names(shapes)
     assert [o.name for o in model.graph.output] == optimizer_output_names(shapes)
+
+
+@pytest.mark.parametrize("cfg", [GRAPH_CFG, LoraPlusConfig(lr=1e-3, weight_decay=0.0, max_grad_norm=0.0,
+                                                            warmup_steps=0, total_steps=10)],
+                         ids=["clip-decay", "no-clip-no-decay"])
+def test_in_place_adamw_kernel_matches_reference(cfg):
+    """The AdamWStep unit mapped whole (compiler/adamw_units.py, its serial CPU form of the
+    CUDA kernel): p, m and v are updated in place (the outputs are the inputs' memory), and
+    six steps (clipped, unclipped, a NaN and an Inf step left bit for bit) match the reference."""
+    pytest.importorskip("tvm")
+    try:
+        from tvm import relax
+        from tvm.relax.frontend.onnx import from_onnx
+    except ImportError:
+        pytest.skip("TVM compiler library not available")
+    import tvm
+
+    from lorac.compiler.adamw_units import converters
+    from lorac.compiler.units import anchor_outputs, frontend_with, split_units
+    from lorac.graphs.optimizer import build_optimizer_graph
+    params = lora_tensors(np.random.default_rng(7), layers=1, d=8, ff=8, r=2)
+    native = converters(gpu=False)
+    model, units = split_units(build_optimizer_graph({k: p.shape for k, p in params.items()}, cfg), native)
+    assert units == ["AdamWStep"]
+    with frontend_with({u: native[u] for u in units}):
+        mod = from_onnx(anchor_outputs(model), keep_params_in_input=False)
+    in_names = [i.name for i in model.graph.input if i.name not in {x.name for x in model.graph.initializer}]
+    out_names = [o.name for o in model.graph.output]
+    vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+
+    def run(feeds):
+        args = {n: tvm.runtime.tensor(np.asarray(feeds[n], dtype=np.float32)) for n in in_names}
+        outs = dict(zip(out_names, vm["main"](*args.values())))
+        for n in in_names:
+            if n.endswith((".param", ".m", ".v")):
+                assert outs[n + ".new"].data_ptr() == args[n].data_ptr(), n  # in place
+        return {n: o.numpy() for n, o in outs.items()}
+    _graph_run_ref(run, params, cfg)
