@@ -75,6 +75,10 @@ class _NarrowOutputs(PyExprMutator):
         call = self.visit_expr(binding.value)
         if call.op == _DPS:  # a vendor GEMM writes `dtype` itself
             low = relax.call_dps_packed(call.args[0], call.args[1], relax.TensorType(call.ty.shape, self.dtype))
+        elif call.op == _ASTYPE and str(call.args[0].ty.dtype) == self.dtype:  # a widening: its source
+            self.low[binding.var] = call.args[0]
+            self.count += 1
+            return None
         else:  # a TVM kernel: the narrowing fuses into it
             low = relax.op.astype(self.builder_.emit(call), self.dtype)
         self.low[binding.var] = self.builder_.emit(low)

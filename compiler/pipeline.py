@@ -175,7 +175,7 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
             from .residual_stream import RESIDUAL_KEY, narrow_residuals
             mod, gemm["bf16_outputs"] = narrow_gemm_outputs(mod)
             if {p.key: p.value for p in proto.metadata_props}.get(RESIDUAL_KEY) != "float32":
-                mod, gemm["bf16_residuals"] = narrow_residuals(mod)
+                mod, gemm["bf16_residuals"], gemm["bf16_read_narrow"] = narrow_residuals(mod)
     return mod, units, unit_calls, gemm
 
 

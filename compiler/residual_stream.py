@@ -16,6 +16,9 @@ or a sum this pass already narrows; the other operand may be anything (Gemma 2 a
 output). The gradient
 stream never matches: its sums add fp32 results of the norms' backward kernels.
 
+With them go the values read only in bf16 anyway (read_narrow): the embedding rows, the
+final norm's output, each LoRA projection's s x A^T.
+
 A family whose reference keeps the residual in fp32 (HF Mamba's `residual_in_fp32`) says so
 in its graph's metadata (graphs/compose.RESIDUAL_KEY), and nothing is narrowed there.
 """
@@ -35,6 +38,8 @@ _ADD = tvm.ir.Op.get("relax.add")
 _ASTYPE = tvm.ir.Op.get("relax.astype")
 _RESHAPE = tvm.ir.Op.get("relax.reshape")
 _MULTIPLY = tvm.ir.Op.get("relax.multiply")
+_TAKE = tvm.ir.Op.get("relax.take")
+_VIEWS = (_RESHAPE, tvm.ir.Op.get("relax.strided_slice"))
 
 
 def _scalar(e) -> bool:
@@ -74,6 +79,39 @@ def residual_sums(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
     return narrowed
 
 
-def narrow_residuals(mod: tvm.IRModule, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int]:
-    """-> (module, number of residual sums now stored in `dtype`)."""
-    return narrow_values(mod, residual_sums(mod, dtype), dtype)
+def read_narrow(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
+    """The fp32 dataflow vars stored in `dtype` at no cost: the embedding's widened rows
+    (the stream's first value; its readers widen their own copies), and every value all of
+    whose readers narrow it again, directly or after a slice or reshape (the final norm's
+    output, read by the loss chunks' GEMMs; a LoRA projection's s x A^T, read by its B and
+    dB GEMMs): stored narrow, they read the same values."""
+    found: set = set()
+    for block in dataflow_blocks(mod):
+        values = {b.var: b.value for b in block.bindings}
+        users = relax.analysis.udchain(block)
+
+        def narrows(var) -> bool:
+            v = values.get(var)
+            return isinstance(v, relax.Call) and v.op == _ASTYPE and str(v.attrs.dtype) == dtype
+
+        for var, v in values.items():
+            if not (isinstance(var, relax.DataflowVar) and isinstance(var.ty, relax.TensorType)
+                    and str(var.ty.dtype) == "float32" and _static_shape(var.ty)):
+                continue
+            if (isinstance(v, relax.Call) and v.op == _ASTYPE and isinstance(v.args[0], relax.Var)
+                    and isinstance(values.get(v.args[0]), relax.Call) and values[v.args[0]].op == _TAKE
+                    and str(v.args[0].ty.dtype) == dtype):
+                found.add(var)
+                continue
+            readers = list(users.get(var, ()))
+            if readers and all(narrows(u) or (isinstance(values.get(u), relax.Call) and values[u].op in _VIEWS
+                                              and users.get(u) and all(narrows(w) for w in users[u]))
+                               for u in readers):
+                found.add(var)
+    return found
+
+
+def narrow_residuals(mod: tvm.IRModule, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int, int]:
+    """-> (module, number of residual sums and of read_narrow's values now stored in `dtype`)."""
+    sums, others = residual_sums(mod, dtype), read_narrow(mod, dtype)
+    return narrow_values(mod, sums | others, dtype)[0], len(sums), len(others - sums)

@@ -264,3 +264,35 @@ def test_mamba_keeps_its_residual_stream_in_fp32():
     assert {p.key: p.value for p in model.metadata_props} == {RESIDUAL_KEY: "float32"}
     assert "bf16_residuals" not in lower_to_relax(model, target_cuda, "bfloat16")[3]
     assert not _decoder(False).metadata_props
+
+
+def test_values_read_only_in_bf16_are_stored_in_bf16():
+    """The embedding rows and every fp32 value all of whose readers narrow it again (the final
+    norm's output before the logits GEMMs, a LoRA projection's s x A^T) are stored in bf16:
+    no fp32 [tokens, hidden] copy of them stays alive; values with an fp32 reader are not."""
+    from tvm import relax
+
+    from lorac.compiler import target_cuda
+    from lorac.compiler.pipeline import lower_to_relax
+    from lorac.compiler.relax_rewrite import dataflow_blocks
+    spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 2})
+    model = build_training_graph(spec, TrainSpec(batch=2, seq=12, rank=4, lora_targets=tuple(ALL_TARGETS)))
+    mod, _, _, gemm = lower_to_relax(model, target_cuda, "bfloat16")
+    assert gemm["bf16_read_narrow"] > 0
+    astype = tvm.ir.Op.get("relax.astype")
+    for block in dataflow_blocks(mod):
+        values = {b.var: b.value for b in block.bindings}
+        for var, users in relax.analysis.udchain(block).items():
+            v = values.get(var)
+            if isinstance(v, relax.Call) and v.op == astype and str(v.ty.dtype) == "float32" and users:
+                # a widening: read by something that computes in fp32, never only narrowed again
+                assert not all(isinstance(values.get(u), relax.Call) and values[u].op == astype
+                               and str(values[u].ty.dtype) == "bfloat16" for u in users), str(v)
+    take = [b for blk in dataflow_blocks(mod) for b in blk.bindings
+            if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.take")
+            and str(b.var.ty.dtype) == "bfloat16" and len(b.var.ty.shape.values) == 3]
+    assert take  # the embedding rows stay bf16 ...
+    users = {u for blk in dataflow_blocks(mod) for var, us in relax.analysis.udchain(blk).items()
+             if var.same_as(take[0].var) for u in us}
+    values = {b.var: b.value for blk in dataflow_blocks(mod) for b in blk.bindings}
+    assert all(values[u].op != astype for u in users)  # ... read through a bf16 reshape, not one fp32 copy
