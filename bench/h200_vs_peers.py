@@ -61,9 +61,11 @@ CASES = {
                          []),  # nothing recomputed but the lean saved set (graphs/decoder.py Saved)
     # 1024-token loss chunks: half the logits buffers of 2048 (0.5 GB), room for one more kept layer
     "8b-4x2048-keep26": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 26, "loss_chunk": 1024},
-                         ["compile"]),  # <= 40 GB
-    "8b-4x2048-keep27": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 27, "loss_chunk": 1024},
                          []),
+    "8b-4x2048-keep27": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 27, "loss_chunk": 1024},
+                         ["compile"]),  # <= 40 GB
+    "8b-4x2048-keep28": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 28, "loss_chunk": 512},
+                         []),  # 512-token loss chunks: 0.26 GB less than 1024, room for one more kept layer
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
     "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
