@@ -98,7 +98,8 @@ def test_arena_composes_with_cuda_graphs():
     arena, arena_plan = _cuda_mod(True)
     assert arena_plan < tvm_plan
     assert captured(arena) == captured(tokens) and captured(arena)  # the same capture regions
-    assert "ensure_zero_offset" in arena["main"].script()  # tensors at offsets reach kernels as views
+    # tensors at offsets reach kernels as views (inside the captured regions, or in main)
+    assert any("ensure_zero_offset" in f.script() for _, f in arena.functions_items() if isinstance(f, relax.Function))
 
 
 def test_gemms_are_bound_where_the_graph_puts_them():
