@@ -18,10 +18,6 @@ from lorac.graphs.optimizer import ADAMW_STEP
 THREADS = 256
 
 
-def _shape(x) -> tuple:
-    return tuple(int(d) for d in x.ty.shape.values)
-
-
 def kernel(n: int, scalar_shapes: list, consts: tuple, gpu: bool = True):
     """PrimFunc (p, m, v, grad [n], c, ok, lr, bc1, bc2 of `scalar_shapes`); `consts` =
     (b1, 1-b1, b2, 1-b2, eps, wd) as float32 values. `gpu=False`: a serial loop (tests)."""
@@ -76,18 +72,21 @@ def converters(gpu: bool = True) -> dict:
     the unit to the serial kernel (tests on the CPU)."""
     from tvm import relax
 
+    from .gemm import _static_shape
+    from .units import unit_converter
+
     kernels: dict = {}
 
     def convert(bb, inputs, _attrs, _params):
         p, m, v, grad, c, ok, lr, bc1, bc2 = inputs[:9]
         consts = tuple(_const(x) for x in inputs[9:])
-        n = _shape(p)[0]
+        n = _static_shape(p.ty)[0]
         scalars = [c, ok, lr, bc1, bc2]
-        key = (n, tuple(_shape(x) for x in scalars), consts)
+        key = (n, tuple(tuple(_static_shape(x.ty)) for x in scalars), consts)
         if key not in kernels:
             kernels[key] = bb.add_func(kernel(n, list(key[1]), consts, gpu), "lorac_adamw_step")
         out = bb.emit(relax.call_tir_inplace(kernels[key], [p, m, v, grad, *scalars], [0, 1, 2],
                                              [p.ty, m.ty, v.ty]))
         return relax.Tuple([bb.emit(relax.TupleGetItem(out, k)) for k in range(3)])
 
-    return {ADAMW_STEP: type(ADAMW_STEP, (), {"get_converter": classmethod(lambda cls, _opset: convert)})}
+    return {ADAMW_STEP: unit_converter(ADAMW_STEP, convert)}

@@ -64,6 +64,8 @@ def converters() -> dict:
     narrowing cache for the whole graph. Each class's `calls` lists the shapes it
     converted (manifest `unit_calls`: the runtime builds their cuDNN plans at load time,
     before a CUDA graph captures the step)."""
+    from .units import unit_converter
+
     cache = _Narrowing()
     calls: list = []
 
@@ -95,9 +97,5 @@ def converters() -> dict:
         return relax.Tuple([bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(out, i)), "float32"))
                             for i in range(3)])
 
-    def converter(name, fn):
-        """A converter class as the frontend's op table holds them (get_converter(opset))."""
-        return type(name, (), {"unit_calls": calls, "get_converter": classmethod(lambda cls, _opset: fn)})
-
-    return {"CausalAttention": converter("CausalAttention", forward),
-            "CausalAttentionGrad": converter("CausalAttentionGrad", backward)}
+    return {"CausalAttention": unit_converter("CausalAttention", forward, unit_calls=calls),
+            "CausalAttentionGrad": unit_converter("CausalAttentionGrad", backward, unit_calls=calls)}

@@ -74,14 +74,13 @@ class _NarrowOutputs(PyExprMutator):
             return super().visit_var_binding_(binding)
         call = self.visit_expr(binding.value)
         if call.op == _DPS:  # a vendor GEMM writes `dtype` itself
-            low = relax.call_dps_packed(call.args[0], call.args[1], relax.TensorType(call.ty.shape, self.dtype))
+            low = self.builder_.emit(relax.call_dps_packed(call.args[0], call.args[1],
+                                                           relax.TensorType(call.ty.shape, self.dtype)))
         elif call.op == _ASTYPE and str(call.args[0].ty.dtype) == self.dtype:  # a widening: its source
-            self.low[binding.var] = call.args[0]
-            self.count += 1
-            return None
+            low = call.args[0]
         else:  # a TVM kernel: the narrowing fuses into it
-            low = relax.op.astype(self.builder_.emit(call), self.dtype)
-        self.low[binding.var] = self.builder_.emit(low)
+            low = self.builder_.emit(relax.op.astype(self.builder_.emit(call), self.dtype))
+        self.low[binding.var] = low
         self.count += 1
         return None
 

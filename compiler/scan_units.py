@@ -32,6 +32,7 @@ def converters(gpu: bool, narrow: str | None = None) -> dict:
     from lorac.graphs.scan import ScanDims
 
     from . import scan_kernels as sk
+    from .units import unit_converter
 
     kernels: dict = {}
     narrowed: dict = {}
@@ -76,8 +77,4 @@ def converters(gpu: bool, narrow: str | None = None) -> dict:
         du, ddt, dBp, dCp = (bb.emit(relax.TupleGetItem(out, k)) for k in range(4))
         return relax.Tuple([du, ddt, bb.emit(relax.op.sum(dBp, axis=[1])), bb.emit(relax.op.sum(dCp, axis=[1]))])
 
-    def converter(name, fn):
-        """A converter class as the frontend's op table holds them (get_converter(opset))."""
-        return type(name, (), {"get_converter": classmethod(lambda cls, _opset: fn)})
-
-    return {FORWARD: converter(FORWARD, forward), BACKWARD: converter(BACKWARD, backward)}
+    return {FORWARD: unit_converter(FORWARD, forward), BACKWARD: unit_converter(BACKWARD, backward)}

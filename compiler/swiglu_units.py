@@ -16,6 +16,8 @@ them read the bf16 originals). Elementwise over any shape: one kernel per elemen
 """
 from __future__ import annotations
 
+import math
+
 from lorac.graphs.mlp import SWIGLU_GRAD, SWIGLU_GRAD_ACT
 
 THREADS = 128
@@ -71,14 +73,15 @@ def converters(narrow: str = "bfloat16") -> dict:
     """Converter classes for the frontend (compiler.units.frontend_with)."""
     from tvm import relax
 
+    from .gemm import _static_shape
+    from .units import unit_converter
+
     kernels: dict = {}
 
     def convert(with_act: bool):
         def fn(bb, inputs, _attrs, _params):
-            shape = [int(d) for d in inputs[1].ty.shape.values]
-            n = 1
-            for d in shape:
-                n *= d
+            shape = _static_shape(inputs[1].ty)
+            n = math.prod(shape)
             # flat bf16 views (reshapes are free); the kernel writes over them
             x = [bb.emit(relax.op.reshape(i if i.ty.dtype == narrow else bb.emit(relax.op.astype(i, narrow)), [n]))
                  for i in inputs]
@@ -92,9 +95,5 @@ def converters(narrow: str = "bfloat16") -> dict:
                 bb.emit(relax.TupleGetItem(out, k)), shape)), "float32")) for k in order])
         return fn
 
-    def converter(name, fn):
-        """A converter class as the frontend's op table holds them (get_converter(opset))."""
-        return type(name, (), {"get_converter": classmethod(lambda cls, _opset: fn)})
-
-    return {SWIGLU_GRAD: converter(SWIGLU_GRAD, convert(False)),
-            SWIGLU_GRAD_ACT: converter(SWIGLU_GRAD_ACT, convert(True))}
+    return {SWIGLU_GRAD: unit_converter(SWIGLU_GRAD, convert(False)),
+            SWIGLU_GRAD_ACT: unit_converter(SWIGLU_GRAD_ACT, convert(True))}

@@ -27,6 +27,13 @@ import onnx
 from lorac.graphs.builder import DOMAIN, inline_units
 
 
+def unit_converter(name: str, fn, **attrs):
+    """A converter class as TVM's ONNX frontend holds them in its op table
+    (`get_converter(opset)` -> fn(bb, inputs, attrs, params)), with `attrs` as class
+    attributes (the attention converters' `unit_calls`): what a target's native_units maps."""
+    return type(name, (), {**attrs, "get_converter": classmethod(lambda cls, _opset: fn)})
+
+
 def split_units(model: onnx.ModelProto, native: dict) -> tuple[onnx.ModelProto, list[str]]:
     """(model with every unit the target does not map inlined, names of the mapped units
     the model uses)."""

@@ -109,7 +109,7 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     if cfg.max_grad_norm and cfg.max_grad_norm > 0:
         c = g.op("Min", g.f(1.0), g.op("Div", g.f(cfg.max_grad_norm), g.op("Add", norm, g.f(1e-6))))
     else:
-        c = None
+        c = g.f(1.0)  # no clipping: x * 1 is x
 
     # bias corrections, shared by every tensor: 1 - beta^t with t the float step input
     bc1, bc2 = _one_minus_pow(g, b1, step), _one_minus_pow(g, b2, step)
@@ -118,8 +118,7 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     for b in bks:
         lr = lr_b if b.group == "B" else lr_a
         wd = g.f(cfg.weight_decay if b.decay else 0.0)
-        ins = [p_in[b.key], m_in[b.key], v_in[b.key], flat[b.key], c if c is not None else g.f(1.0), ok, lr, bc1, bc2,
-               *consts, wd]
+        ins = [p_in[b.key], m_in[b.key], v_in[b.key], flat[b.key], c, ok, lr, bc1, bc2, *consts, wd]
         new = g.call(ADAMW_STEP, g.np_float.name, ins, 3, _adamw_body)
         for value, what in zip(new, ("param", "m", "v")):
             g.output(value, f"{b.key}.{what}.new")
@@ -139,7 +138,7 @@ ADAMW_STEP = "AdamWStep"  # a unit: CUDA updates p, m, v in place (compiler/adam
 def _adamw_body(g, p, m, v, grad, c, ok, lr, bc1, bc2, b1, one_b1, b2, one_b2, eps, wd):
     """One bucket's update: (p, m, v) -> (p', m', v'), the inputs again where not `ok`. The
     constants are inputs so one body serves every bucket (weight decay 0 for 1-D tensors)."""
-    grad = g.op("Mul", grad, c)  # c = 1 without clipping: x * 1 is x
+    grad = g.op("Mul", grad, c)
     m1 = g.op("Add", g.op("Mul", b1, m), g.op("Mul", one_b1, grad))
     v1 = g.op("Add", g.op("Mul", b2, v), g.op("Mul", one_b2, g.op("Mul", grad, grad)))
     mhat = g.op("Div", m1, bc1)
