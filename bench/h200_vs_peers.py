@@ -75,7 +75,7 @@ CASES = {
 PEAK = 790e12
 
 
-def _engine(case: str, cache: str, weights=None):
+def _engine(case: str, cache: str, weights=None, tune: int = 0):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.loss import auto_chunk
@@ -89,7 +89,8 @@ def _engine(case: str, cache: str, weights=None):
     targets = MAMBA_PEER_TARGETS if spec.arch == "mamba" else fam.TARGETS  # what the PEFT peer trains
     train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, extra=fam.train_extra("cuda", 0), **kw)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
-    eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True))
+    eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True),
+                 tune=tune)
     return eng, spec, optim
 
 
@@ -121,14 +122,14 @@ def _gpu_used() -> int:
     return total.value - free.value
 
 
-def case_engine(cache: str, case: str):
+def case_engine(cache: str, case: str, tune: int = 0):
     """An engine for `case` with random frozen weights and LoRA state, ready to step:
     (engine, spec, optimizer config, manifest, batches, GPU bytes in use before loading)."""
     import ml_dtypes
     from lorac.runtime.artifact import read_manifest
     from lorac.runtime.train import init_lora
 
-    eng, spec, optim = _engine(case, cache)
+    eng, spec, optim = _engine(case, cache, tune=tune)
     m = read_manifest(eng.compile("train"))  # a cache hit: the input names and dtypes
     _gpu_used()  # creates the CUDA context
     base = _gpu_used()
@@ -141,7 +142,7 @@ def case_engine(cache: str, case: str):
         n = int(np.prod(i["shape"]))
         w = np.ones(n, ml_dtypes.bfloat16) if "norm" in i["name"] else np.resize(block, n)
         weights[i["name"]] = w.reshape(i["shape"])
-    eng, spec, optim = _engine(case, cache, weights=weights)
+    eng, spec, optim = _engine(case, cache, weights=weights, tune=tune)
     del weights
     zeros = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
     eng.set_state(init_lora(eng.shapes, np.random.default_rng(1)), zeros, dict(zeros))
@@ -160,10 +161,11 @@ def full_step(eng, optim, ids, t: int) -> float:
     return float(loss.numpy())
 
 
-def lorac_case(cache: str, case: str, steps: int = 10) -> dict:
-    """One case's full steps in this process (no torch): ms per step, memory, losses."""
+def lorac_case(cache: str, case: str, steps: int = 10, tune: int = 0) -> dict:
+    """One case's full steps in this process (no torch): ms per step, memory, losses.
+    tune: the training step's kernels tuned with that many MetaSchedule trials."""
     sys.modules["torch"] = None
-    eng, spec, optim, m, batches, base = case_engine(cache, case)
+    eng, spec, optim, m, batches, base = case_engine(cache, case, tune)
     B, S = CASES[case][2], CASES[case][3]
     times, losses, mem = [], [], {}
     t_first = time.perf_counter()
@@ -258,8 +260,8 @@ if __name__ == "__main__":
     mode, cache, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
     if mode == "prepare":
         prepare(cache, rest or list(CASES))
-    elif mode == "lorac":
-        print(json.dumps(lorac_case(cache, rest[0])), flush=True)
+    elif mode == "lorac":  # CASE [TUNE_TRIALS]
+        print(json.dumps(lorac_case(cache, rest[0], tune=int(rest[1]) if len(rest) > 1 else 0)), flush=True)
     else:
         timeout = int(os.environ.get("PEER_TIMEOUT", "420"))
         device(cache, rest or list(CASES), timeout)

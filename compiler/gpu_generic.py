@@ -29,18 +29,26 @@ def _guarded(rule):
     return Guarded()
 
 
-def legalize_passes(target, first_rules: tuple = ()) -> list:
-    """`first_rules`: a target's own schedule rules, tried before DLight's (gpu_schedule.py)."""
-    from tvm import relax
+def default_schedules(first_rules: tuple = ()):
+    """The pass that gives every kernel not yet scheduled its DLight schedule: `first_rules`,
+    a target's own rules (gpu_schedule.py), then DLight's, then RowReduction, then Fallback."""
     from tvm.s_tir import dlight as dl
 
     from .gpu_schedule import RowReduction
 
-    t = relax.transform
     rules = [*first_rules, dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
              RowReduction()]
+    return dl.ApplyDefaultSchedule(*[_guarded(r) for r in rules], dl.gpu.Fallback())
+
+
+def legalize_passes(target, first_rules: tuple = (), tuned=None) -> list:
+    """`first_rules`: a target's own schedule rules, tried before DLight's (gpu_schedule.py);
+    `tuned`: a pass that schedules the kernels --tune found faster schedules for, first."""
+    from tvm import relax
+
+    t = relax.transform
     return [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
-            dl.ApplyDefaultSchedule(*[_guarded(r) for r in rules], dl.gpu.Fallback())]
+            *([tuned] if tuned is not None else []), default_schedules(first_rules)]
 
 
 def relax_passes(target) -> list:

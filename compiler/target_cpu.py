@@ -59,10 +59,11 @@ def check_environment(request: dict) -> None:
 
 
 def tune(mod, target, trials: int, cache_dir):
-    """--tune: MetaSchedule for the non-GEMM kernels, records kept in cache_dir (cpu_tune)."""
-    from .cpu_tune import tune as ms_tune
+    """--tune: MetaSchedule for the non-GEMM kernels, records kept in cache_dir (tune.py)."""
+    from .cpu_tune import TUNER
+    from .tune import tune as ms_tune
 
-    return ms_tune(mod, target, trials, cache_dir)
+    return ms_tune(mod, target, trials, cache_dir, TUNER)
 
 
 def relax_passes(target) -> list:
@@ -71,8 +72,9 @@ def relax_passes(target) -> list:
     from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
     from .cpu_schedule import ParallelizeCPU
-    from .cpu_tune import ApplyTuned
+    from .cpu_tune import TUNER
+    from .tune import ApplyTuned
 
     return (cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)
-            + [ApplyTuned(target), ParallelizeCPU(target)]
+            + [ApplyTuned(target, TUNER), ParallelizeCPU(target)]
             + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))

@@ -88,23 +88,43 @@ def prepare(mod):
     return mod
 
 
-def relax_passes(target) -> list:
-    """The stock CUDA phases: legalize + fuse + DLight (lorac's vectorized elementwise and
-    warp-per-row rules first (gpu_schedule.py), then Matmul/GEMV/Reduction/Fallback; a rule
-    that raises falls through to the next: gpu_generic.py), lower."""
-    from tvm.relax.backend.cuda import pipeline as cuda
-
-    from .gpu_generic import legalize_passes
+def first_rules() -> tuple:
+    """lorac's CUDA schedule rules, tried before DLight's (gpu_schedule.py)."""
     from .gpu_schedule import VectorizedElementwise, WarpRowReduction
 
-    first = (VectorizedElementwise(), WarpRowReduction())
-    return (cuda.library_dispatch_passes(target) + legalize_passes(target, first)
+    return (VectorizedElementwise(), WarpRowReduction())
+
+
+def tune(mod, target, trials: int, cache_dir):
+    """--tune: MetaSchedule on this machine's GPU for the kernels TVM generates, records kept
+    in cache_dir (tune.py, cuda_tune.py)."""
+    from .cuda_tune import TUNER
+    from .tune import tune as ms_tune
+
+    return ms_tune(mod, target, trials, cache_dir, TUNER)
+
+
+def relax_passes(target) -> list:
+    """The stock CUDA phases: legalize + fuse + tuned schedules (--tune) + DLight (lorac's
+    vectorized elementwise and warp-per-row rules first (gpu_schedule.py), then
+    Matmul/GEMV/Reduction/Fallback; a rule that raises falls through to the next:
+    gpu_generic.py), lower."""
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    from .cuda_tune import TUNER
+    from .gpu_generic import legalize_passes
+    from .tune import ApplyTuned
+
+    return (cuda.library_dispatch_passes(target)
+            + legalize_passes(target, first_rules(), tuned=ApplyTuned(target, TUNER))
             + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
 
 
-def _cuda_sources(ex) -> list[str]:
-    """CUDA source of every CUDA module imported by the built library."""
-    found, stack = [], [ex.mod]
+def cuda_sources(ex) -> list[str]:
+    """CUDA source of every CUDA module imported by the built library (a VM executable or
+    a runtime module)."""
+    import tvm
+    found, stack = [], [ex if isinstance(ex, tvm.runtime.Module) else ex.mod]
     while stack:
         m = stack.pop()
         if m.kind == "cuda":
@@ -127,7 +147,7 @@ def compile_fatbin(source: str, arch: str, out: Path) -> None:
 
 
 def export(ex, art_dir: Path, target) -> dict:
-    sources = _cuda_sources(ex)
+    sources = cuda_sources(ex)
     if len(sources) != 1:
         raise LoracError(f"expected one CUDA module in the build, found {len(sources)}")
     arch = str(target.attrs.get("arch", DEFAULT_ARCH)) if hasattr(target, "attrs") else DEFAULT_ARCH

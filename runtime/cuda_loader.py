@@ -17,6 +17,7 @@ from pathlib import Path
 from .errors import LoracError
 
 _fatbins: dict[str, bytes] = {}  # sha256 of CUDA source -> fatbin, for every loaded artifact
+_compile_missing = None  # source -> fatbin, for sources no artifact brought (tuning: compiler/cuda_tune.py)
 
 
 def _ensure_cuda_device_api() -> None:
@@ -36,10 +37,17 @@ def _ensure_cuda_device_api() -> None:
         raise LoracError(f"cannot load TVM's CUDA runtime ({e}); is the NVIDIA driver installed?") from None
 
 
-def _compile_callback(source: str) -> bytes:
-    key = hashlib.sha256(source.encode()).hexdigest()
+def source_key(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def _compile_callback(source: str, *_target) -> bytes:
+    key = source_key(source)
     hit = _fatbins.get(key)
     if hit is not None:
+        return bytes(hit)
+    if _compile_missing is not None:
+        hit = _fatbins[key] = _compile_missing(source)
         return bytes(hit)
     raise LoracError("CUDA kernels of this artifact differ from the ones compiled ahead "
                      f"(source sha256 {key[:12]}); recompile the artifact with `lorac compile`")
@@ -53,6 +61,21 @@ def prepare(art_dir: Path, manifest: dict) -> None:
         raise LoracError(f"{art_dir}: CUDA artifact without its compiled kernels ({fatbin.name})")
     _ensure_cuda_device_api()
     _fatbins[extra["cuda_source_sha256"]] = fatbin.read_bytes()
+    _install()
+
+
+def add_fatbins(fatbins: dict, compile_missing=None) -> None:
+    """Device code compiled elsewhere (source sha256 -> fatbin), and `compile_missing(source)`
+    for sources that come without: what tuning, which builds kernels as it goes, needs."""
+    global _compile_missing
+    _ensure_cuda_device_api()
+    _fatbins.update(fatbins)
+    if compile_missing is not None:
+        _compile_missing = compile_missing
+    _install()
+
+
+def _install() -> None:
     import tvm_ffi
     # override: a full TVM registers its own NVRTC/nvcc callback at import
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_callback, override=True)

@@ -51,12 +51,15 @@ def graph_key(kind: str, *parts) -> str:
     return digest(kind, v["lorac_version"], v["lorac_source"], *parts)
 
 
-def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None, cuda_graph: bool = False):
+def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None, cuda_graph: bool = False,
+             tune: int = 0):
     """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss.
     An entry that fails verification (core/artifact_cache.py) is rebuilt; one builder per entry at a
     time (others wait for it and then find it built). cuda_graph: build with CUDA graphs
-    (inputs bound: compiler/target_cuda.binds_inputs)."""
-    art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}-{key[:16]}"
+    (inputs bound: compiler/target_cuda.binds_inputs); tune: MetaSchedule trials (compiler/tune.py;
+    the database lands in cache_dir/.lorac-tuning)."""
+    tuned = f"-tune{tune}" if tune else ""
+    art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}{tuned}-{key[:16]}"
     if artifact_cache.problem(art) is None:
         return art
     log = log or (lambda msg: None)
@@ -74,9 +77,10 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
                              f"({e}); compile it where lorac's compile extra is installed") from None
         t0 = time.perf_counter()
         model = build()
-        log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes) ...")
+        how = f", tuning {tune} trials first" if tune else ""
+        log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes{how}) ...")
         compile_graph(model, target={"kind": target, "cuda_graph": True} if cuda_graph else target, out_dir=art,
-                      dtype=dtype, force=True)
+                      dtype=dtype, tune=tune, force=True)
         log(f"compiled the {kind} graph in {time.perf_counter() - t0:.1f} s -> {art}")
     return art
 
@@ -144,13 +148,15 @@ class Engine(Graphs):
     """The TVM backend: compiled artifacts (lorac.compiler), run by TVM's runtime on `target`'s device."""
 
     def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
-                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, ranks: int = 1):
+                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, ranks: int = 1,
+                 tune: int = 0):
         device = devices.for_target(target)
         super().__init__(spec, train, target, dtype or device.DEFAULT_DTYPE, cache_dir, optim_cfg, log, ranks)
         self.device = device.NAME
         # on CUDA the training step runs as a few CUDA graphs (the host issued ~15,000 calls a
         # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
         self.cuda_graph = cuda_graph and getattr(device, "CAPTURES_GRAPHS", False)
+        self.tune = tune  # MetaSchedule trials for the training step's kernels (0: default schedules)
         self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
         self._weights = None
         self._arts: dict = {}
@@ -173,7 +179,7 @@ class Engine(Graphs):
         build, parts, dtype = self._recipe(kind)
         name = kind.split(":")[0]
         return compiled(build, graph_key(name, *parts), name, self.target, dtype, self.cache_dir, self.log,
-                        cuda_graph=self.cuda_graph and name == "train")
+                        cuda_graph=self.cuda_graph and name == "train", tune=self.tune if name == "train" else 0)
 
     def _artifact(self, kind: str):
         """The loaded artifact of graph `kind`, compiled on first use."""

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from _compiler_graphs import assert_outputs_close, random_inputs, saved_training_graph
-from lorac.compiler import compile_graph, cpu_tune
+from lorac.compiler import compile_graph, cpu_tune, tune
 from lorac.compiler.cli import compile_command
 from lorac.runtime.artifact import load_artifact
 from lorac.runtime.errors import LoracError
@@ -33,9 +33,9 @@ def test_tune_matches_untuned_and_reuses_database(graph, untuned, tmp_path, monk
     path, model = graph
     # keep every tuned kernel, however it timed, so the tuned schedules are really applied,
     # and tune reductions, whose schedules can change the order of summation
-    monkeypatch.setattr(cpu_tune, "_MARGIN", float("-inf"))
-    monkeypatch.setattr(cpu_tune, "_bytes", lambda task: int("softmax" in task.task_name or "sum" in task.task_name))
-    caplog.set_level(logging.INFO, logger="lorac.compiler.cpu_tune")
+    monkeypatch.setattr(tune, "_MARGIN", float("-inf"))
+    monkeypatch.setattr(tune, "_bytes", lambda task: int("softmax" in task.task_name or "sum" in task.task_name))
+    caplog.set_level(logging.INFO, logger="lorac.compiler.tune")
     art = compile_graph(path, target="cpu", out_dir=tmp_path / "tuned", tune=TRIALS)
 
     db_path = tmp_path / ".lorac-tuning" / cpu_tune.DATABASE
@@ -54,7 +54,7 @@ def test_tune_matches_untuned_and_reuses_database(graph, untuned, tmp_path, monk
     def no_tuning(*_a, **_k):
         raise AssertionError("the second compile tuned again")
 
-    monkeypatch.setattr(cpu_tune, "_tune_tasks", no_tuning)
+    monkeypatch.setattr(tune, "_tune_tasks", no_tuning)
     before = db_path.read_bytes()
     caplog.clear()
     t0 = time.perf_counter()
@@ -69,8 +69,8 @@ def test_tune_keeps_default_where_it_is_not_faster(graph, untuned, tmp_path, mon
     """With a margin no candidate can meet, every kernel keeps its default schedule: the
     database records the timings but no schedule, and the artifact is the untuned one."""
     path, model = graph
-    monkeypatch.setattr(cpu_tune, "_MARGIN", 1.0)
-    caplog.set_level(logging.INFO, logger="lorac.compiler.cpu_tune")
+    monkeypatch.setattr(tune, "_MARGIN", 1.0)
+    caplog.set_level(logging.INFO, logger="lorac.compiler.tune")
     art = compile_graph(path, target="cpu", out_dir=tmp_path / "tuned", tune=8)
     (section,) = json.loads((tmp_path / ".lorac-tuning" / cpu_tune.DATABASE).read_text()).values()
     assert len(section) == 1
@@ -85,16 +85,16 @@ def test_tune_skips_a_failing_kernel_and_fails_when_all_do(graph, untuned, tmp_p
     """A kernel MetaSchedule fails on keeps its default schedule; when every kernel to tune
     fails, the compile stops with one LoracError and the database is left as it was."""
     path, model = graph
-    real = cpu_tune._context
+    real = tune._context
     calls = []
 
-    def first_fails(task, target):
+    def first_fails(task, target, rules):
         calls.append(task.task_name)
         if len(calls) == 1:
             raise RuntimeError("simulated MetaSchedule failure")
-        return real(task, target)
+        return real(task, target, rules)
 
-    monkeypatch.setattr(cpu_tune, "_context", first_fails)
+    monkeypatch.setattr(tune, "_context", first_fails)
     art = compile_graph(path, target="cpu", out_dir=tmp_path / "tuned", tune=TRIALS)
     db_path = tmp_path / ".lorac-tuning" / cpu_tune.DATABASE
     (section,) = json.loads(db_path.read_text()).values()
@@ -104,10 +104,10 @@ def test_tune_skips_a_failing_kernel_and_fails_when_all_do(graph, untuned, tmp_p
     inputs = random_inputs(model, 0)
     assert_outputs_close(load_artifact(art, "cpu")(inputs), load_artifact(untuned, "cpu")(inputs), 1e-5)
 
-    def always_fails(task, target):
+    def always_fails(task, target, rules):
         raise RuntimeError("simulated MetaSchedule failure")
 
-    monkeypatch.setattr(cpu_tune, "_context", always_fails)
+    monkeypatch.setattr(tune, "_context", always_fails)
     before = db_path.read_bytes()
     with pytest.raises(LoracError, match="^MetaSchedule could not tune any kernel: simulated MetaSchedule failure$"):
         compile_graph(path, target="cpu", out_dir=tmp_path / "tuned", tune=3 * 8, force=True)
