@@ -3,9 +3,9 @@ machine's GPU against the schedule the build would give them (lorac's rules, the
 gpu_generic.default_schedules).
 
 A candidate is built as the artifact's kernels are: TVM writes CUDA source, nvcc turns it
-into a fatbin (target_cuda.compile_fatbin), and the runtime's load callback hands that to
-the driver (runtime/cuda_loader.py). The candidates of one round are compiled by parallel
-nvcc processes, one per core; a source that reaches the callback without a fatbin (TVM asks
+into a fatbin (target_cuda.compile_fatbin), and lorac's load callback, the one the runtime's
+loader uses too, hands that to the driver (core/cuda_kernels.py). The candidates of one
+round are compiled by parallel nvcc processes, one per core; a source that reaches the callback without a fatbin (TVM asks
 for it while building) is compiled there and then. Needs the full TVM (the compiler
 library), nvcc and the GPU on one machine; a compile that finds every kernel in the
 database needs none of them but the compiler."""
@@ -64,29 +64,29 @@ def _load(mods, target) -> list:
     candidate's result."""
     import tvm
 
-    from lorac.runtime import cuda_loader
+    from lorac.core import cuda_kernels
 
     from .target_cuda import cuda_sources
 
     arch = _arch(target)
-    cuda_loader.add_fatbins({}, compile_missing=lambda src: _fatbin(src, arch))
+    cuda_kernels.add({}, compile_missing=lambda src: _fatbin(src, arch))
     out, sources = [], {}
     for m in mods:
         try:
             lib = tvm.tirx.build(m, target)
             out.append(lib)
             for src in cuda_sources(lib):
-                sources.setdefault(cuda_loader.source_key(src), src)
+                sources.setdefault(cuda_kernels.source_key(src), src)
         except Exception as e:  # noqa: BLE001
             out.append(e)
-    todo = {k: s for k, s in sources.items() if k not in cuda_loader._fatbins}
+    todo = {k: s for k, s in sources.items() if not cuda_kernels.has(k)}
     with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
         done = dict(zip(todo, pool.map(lambda s: _try(_fatbin, s, arch), todo.values())))
-    cuda_loader.add_fatbins({k: v for k, v in done.items() if isinstance(v, bytes)})
+    cuda_kernels.add({k: v for k, v in done.items() if isinstance(v, bytes)})
     failed = {k: v for k, v in done.items() if not isinstance(v, bytes)}
     if failed:  # the candidates whose source nvcc refused
-        out = [next((failed[cuda_loader.source_key(s)] for s in cuda_sources(lib)
-                     if cuda_loader.source_key(s) in failed), lib) if not isinstance(lib, Exception) else lib
+        out = [next((failed[cuda_kernels.source_key(s)] for s in cuda_sources(lib)
+                     if cuda_kernels.source_key(s) in failed), lib) if not isinstance(lib, Exception) else lib
                for lib in out]
     return out
 

@@ -7,8 +7,8 @@ which fails in a runtime-only TVM and needs NVRTC or nvcc on the GPU machine. In
 take that source from the built module now, compile it with this machine's nvcc (no GPU
 or driver needed) into `kernels.fatbin` (SASS for the arch + PTX for newer GPUs), and the
 runtime answers the load-time callback with those bytes when the source's sha256 matches
-(lorac.runtime.cuda_loader). The GPU machine then needs only the driver, libcudart and
-libcublas.
+(lorac.core.cuda_kernels, installed by lorac.runtime.cuda_loader). The GPU machine then
+needs only the driver, libcudart and libcublas.
 """
 from __future__ import annotations
 

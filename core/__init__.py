@@ -17,4 +17,6 @@ variable; it needs only the standard library and numpy.
                     the artifact directory contract between the compiler (writes) and the
                     runtime (verifies and loads): checksums and seals, atomic replace,
                     file locks, manifest reading and verification
+    cuda_kernels    CUDA device code compiled ahead, by source hash, and the TVM load
+                    callback that hands it out (the runtime's loader and CUDA tuning)
 """

@@ -5,19 +5,18 @@ Two things TVM's runtime-only mode lacks (NOTES.md, seen on the H200):
   pulls in: load it ourselves, after libcudart (RTLD_GLOBAL, so its symbols resolve);
 - a CUDA library built by TVM 0.27 holds kernel *source* and asks the global callback
   `tvm_callback_cuda_compile(source)` for device code at load time. The compiler already
-  compiled that source with nvcc (compiler/target_cuda.py); our callback returns the
-  artifact's fatbin when the source's sha256 matches the manifest. No NVRTC, no nvcc.
+  compiled that source with nvcc (compiler/target_cuda.py); lorac's callback
+  (core/cuda_kernels.py) returns the artifact's fatbin when the source's sha256 matches the
+  manifest. No NVRTC, no nvcc.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from pathlib import Path
 
-from .errors import LoracError
+from lorac.core import cuda_kernels
 
-_fatbins: dict[str, bytes] = {}  # sha256 of CUDA source -> fatbin, for every loaded artifact
-_compile_missing = None  # source -> fatbin, for sources no artifact brought (tuning: compiler/cuda_tune.py)
+from .errors import LoracError
 
 
 def _ensure_cuda_device_api() -> None:
@@ -37,22 +36,6 @@ def _ensure_cuda_device_api() -> None:
         raise LoracError(f"cannot load TVM's CUDA runtime ({e}); is the NVIDIA driver installed?") from None
 
 
-def source_key(source: str) -> str:
-    return hashlib.sha256(source.encode()).hexdigest()
-
-
-def _compile_callback(source: str, *_target) -> bytes:
-    key = source_key(source)
-    hit = _fatbins.get(key)
-    if hit is not None:
-        return bytes(hit)
-    if _compile_missing is not None:
-        hit = _fatbins[key] = _compile_missing(source)
-        return bytes(hit)
-    raise LoracError("CUDA kernels of this artifact differ from the ones compiled ahead "
-                     f"(source sha256 {key[:12]}); recompile the artifact with `lorac compile`")
-
-
 def prepare(art_dir: Path, manifest: dict) -> None:
     """Load the CUDA runtime pieces and register this artifact's fatbin."""
     extra = manifest.get("extra", {})
@@ -60,22 +43,4 @@ def prepare(art_dir: Path, manifest: dict) -> None:
     if "cuda_source_sha256" not in extra or not fatbin.is_file():
         raise LoracError(f"{art_dir}: CUDA artifact without its compiled kernels ({fatbin.name})")
     _ensure_cuda_device_api()
-    _fatbins[extra["cuda_source_sha256"]] = fatbin.read_bytes()
-    _install()
-
-
-def add_fatbins(fatbins: dict, compile_missing=None) -> None:
-    """Device code compiled elsewhere (source sha256 -> fatbin), and `compile_missing(source)`
-    for sources that come without: what tuning, which builds kernels as it goes, needs."""
-    global _compile_missing
-    _ensure_cuda_device_api()
-    _fatbins.update(fatbins)
-    if compile_missing is not None:
-        _compile_missing = compile_missing
-    _install()
-
-
-def _install() -> None:
-    import tvm_ffi
-    # override: a full TVM registers its own NVRTC/nvcc callback at import
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_callback, override=True)
+    cuda_kernels.add({extra["cuda_source_sha256"]: fatbin.read_bytes()})

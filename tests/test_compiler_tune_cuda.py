@@ -52,10 +52,8 @@ def test_cuda_tuning_needs_the_gpu_only_for_kernels_not_in_the_database(tmp_path
 def test_cuda_tuning_builds_candidates_and_applies_kept_schedules(tmp_path, monkeypatch, caplog):
     """Stand-in timings (random, every tuned schedule kept) on this GPU-less machine; the
     candidates and the artifact are real nvcc builds."""
-    from lorac.runtime import cuda_loader
     from tvm.s_tir.meta_schedule.runner import utils as runner_utils
 
-    monkeypatch.setattr(cuda_loader, "_ensure_cuda_device_api", lambda: None)
     monkeypatch.setattr(cuda_tune, "TUNER", dataclasses.replace(cuda_tune.TUNER, device=lambda: tvm.cpu(0)))
     rng = random.Random(0)
     monkeypatch.setattr(runner_utils, "run_evaluator_common", lambda *a, **k: [rng.uniform(1e-6, 2e-6)])
