@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 (default), or bfloat16 frozen weights and GEMM inputs with "
                         "fp32 accumulation, LoRA tensors, loss and gradients (GPU targets)")
     p.add_argument("--tune", type=int, default=0, metavar="TRIALS",
-                   help="MetaSchedule trials for the non-GEMM kernels (cpu only; 0 = default "
-                        "schedules); a tuned kernel is kept only where faster than its default; "
-                        "the database, DIR/../.lorac-tuning/cpu-tuning.json, is reused by later "
-                        "compiles")
+                   help="MetaSchedule trials for the kernels TVM generates (cpu and cuda; 0 = "
+                        "default schedules; cuda tunes on this machine's GPU and needs nvcc); a "
+                        "tuned kernel is kept only where faster than its default; the database, "
+                        "DIR/../.lorac-tuning/{cpu,cuda}-tuning.json, is reused by later compiles")
     p.add_argument("--cuda-graph", action="store_true",
                    help="cuda only: run the step as CUDA graphs captured on the first call (the "
                         "artifact's inputs are then copied into buffers of its own each call; "
