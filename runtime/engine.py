@@ -330,9 +330,9 @@ def _lora_shape(spec, train, name: str) -> tuple[int, int]:
 
 def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, providers=None,
-                ranks: int = 1):
+                ranks: int = 1, tune: int = 0):
     """The engine of `backend`: "tvm" (compiled artifacts) or "ort" (onnxruntime, `providers`);
-    `ranks` data-parallel workers (distributed.py) on the TVM backend."""
+    `ranks` data-parallel workers (distributed.py) and `tune` MetaSchedule trials on the TVM backend."""
     if backend == "ort":
         if ranks > 1:
             raise LoracError("data-parallel training (--gpus, mpiexec) runs on --backend tvm")
@@ -340,4 +340,5 @@ def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", d
         return OrtEngine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, providers=providers)
     if providers:
         raise LoracError("--ort-providers is for --backend ort")
-    return Engine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, cuda_graph=cuda_graph, ranks=ranks)
+    return Engine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, cuda_graph=cuda_graph, ranks=ranks,
+                  tune=tune)

@@ -104,6 +104,9 @@ class TrainConfig:
     sample_tokens: int = setting(32, "tokens generated for the sample (0: no sample)")
     compile_only: bool = setting(False, "compile every graph of the run for --target into --cache-dir and stop; "
                                  "copy the cache to the machine that trains (it needs no compiler then)")
+    tune: int = setting(0, "MetaSchedule trials for the training step's TVM kernels, cpu or cuda (0: default "
+                        "schedules; cuda tunes on this machine's GPU and needs nvcc; the database under "
+                        "--cache-dir is reused by later runs; docs/COMPILER.md, Tuning)")
     no_cuda_graph: bool = setting(False, "cuda: run the training step as plain VM calls instead of CUDA graphs "
                                   "(graphs cut the host's work per step from ~15,000 calls to a few hundred)")
     progress: str = setting("auto", "auto (a bar on a terminal, a line per step elsewhere), bar or lines")
@@ -141,6 +144,11 @@ class TrainConfig:
             raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
         if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
             raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
+        if not isinstance(self.tune, int) or isinstance(self.tune, bool) or self.tune < 0:
+            raise LoracError(f"--tune must be an integer >= 0 (0: no tuning), got {self.tune!r}")
+        if self.tune and (self.backend != "tvm" or self.target not in ("cpu", "cuda")):
+            raise LoracError(f"--tune tunes TVM's kernels for --target cpu or cuda, not --backend {self.backend} "
+                             f"--target {self.target}")
         if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0:
             raise LoracError(f"--gpus must be an integer >= 0, got {self.gpus!r}")
         if self.gpus > 1 and self.batch % self.gpus:
@@ -271,7 +279,7 @@ class Run:
             self.log(f"cpu GEMMs: {blas_info()}")
         self.engine = make_engine(cfg.backend, self.spec, self.train_spec, weights, cfg.target, cfg.dtype,
                                   cfg.cache_dir, self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph,
-                                  providers=cfg.ort_providers, ranks=workers)
+                                  providers=cfg.ort_providers, ranks=workers, tune=cfg.tune)
         del weights  # the device holds them now
         if self.adapter:
             self.adapter.check_shapes(self.engine.shapes)

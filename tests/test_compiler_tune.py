@@ -121,3 +121,25 @@ def test_tune_unavailable_target_and_bad_trials(graph, tmp_path, capsys):
     assert compile_command([str(path), "--target", "cpu", "--out", str(tmp_path / "neg"), "--tune", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["lorac compile: error: --tune takes a number of trials >= 0, got -1"]
+
+
+def test_train_setting_reaches_the_training_steps_compile(tmp_path, monkeypatch):
+    """`lorac train --tune N` (TrainConfig.tune -> make_engine -> Engine) tunes the training
+    step's build and no other graph's."""
+    from tiny_model import make_model_dir
+
+    from lorac.graphs import ModelSpec, TrainSpec
+    from lorac.runtime import engine as engine_mod
+    from lorac.runtime.optim import LoraPlusConfig
+    from lorac.runtime.weights import load_model
+
+    seen = {}
+    monkeypatch.setattr(engine_mod, "compiled", lambda build, key, name, *a, **k: seen.setdefault(name, k["tune"]))
+    cfg, weights = load_model(make_model_dir(tmp_path / "model"))
+    spec = ModelSpec.from_hf_config(cfg)
+    train = TrainSpec(batch=1, seq=8, lora_targets=tuple(spec.targets), rank=4, alpha=8.0)
+    eng = engine_mod.make_engine("tvm", spec, train, weights, "cpu", cache_dir=tmp_path,
+                                   optim_cfg=LoraPlusConfig(), log=lambda m: None, tune=16)
+    for kind in ("train", "adamw", "eval"):
+        eng.compile(kind)
+    assert seen == {"train": 16, "adamw": 0, "eval": 0}

@@ -129,6 +129,8 @@ def test_ctrl_c_saves_and_resume_equals_uninterrupted_run(workdir, trained):
     (["--seq", "1"], "seq must be >= 2"),
     (["--scan-chunk", "-1"], "--scan-chunk must be an integer >= 0"),
     (["--scan-chunk", "2"], "--scan-chunk is for Mamba models"),
+    (["--tune", "-1"], "--tune must be an integer >= 0"),
+    (["--tune", "8", "--backend", "ort"], "--tune tunes TVM's kernels for --target cpu or cuda"),
 ])
 def test_bad_flags_give_one_line(workdir, extra, match):
     r = _run(_train_args(workdir, workdir / "bad", 3, *extra))
