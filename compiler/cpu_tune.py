@@ -27,13 +27,7 @@ def _device():
 
 def _load(mods, target) -> list:
     import tvm
-    out = []
-    for m in mods:
-        try:
-            out.append(tvm.tirx.build(m, target))
-        except Exception as e:  # noqa: BLE001 - a failed candidate is a measurement result
-            out.append(e)
-    return out
+    return [_tune.attempt(tvm.tirx.build, m, target) for m in mods]
 
 
 def _relax_passes(target):

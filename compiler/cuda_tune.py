@@ -72,16 +72,13 @@ def _load(mods, target) -> list:
     cuda_kernels.add({}, compile_missing=lambda src: _fatbin(src, arch))
     out, sources = [], {}
     for m in mods:
-        try:
-            lib = tvm.tirx.build(m, target)
-            out.append(lib)
-            for src in cuda_sources(lib):
-                sources.setdefault(cuda_kernels.source_key(src), src)
-        except Exception as e:  # noqa: BLE001
-            out.append(e)
+        lib = _tune.attempt(tvm.tirx.build, m, target)
+        out.append(lib)
+        for src in [] if isinstance(lib, Exception) else cuda_sources(lib):
+            sources.setdefault(cuda_kernels.source_key(src), src)
     todo = {k: s for k, s in sources.items() if not cuda_kernels.has(k)}
     with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        done = dict(zip(todo, pool.map(lambda s: _try(_fatbin, s, arch), todo.values())))
+        done = dict(zip(todo, pool.map(lambda s: _tune.attempt(_fatbin, s, arch), todo.values())))
     cuda_kernels.add({k: v for k, v in done.items() if isinstance(v, bytes)})
     failed = {k: v for k, v in done.items() if not isinstance(v, bytes)}
     if failed:  # the candidates whose source nvcc refused
@@ -89,13 +86,6 @@ def _load(mods, target) -> list:
                      if cuda_kernels.source_key(s) in failed), lib) if not isinstance(lib, Exception) else lib
                for lib in out]
     return out
-
-
-def _try(fn, *args):
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001
-        return e
 
 
 def _relax_passes(target):

@@ -68,6 +68,14 @@ class Tuner:
         return f"{self.name}-tuning.json"
 
 
+def attempt(fn, *args):
+    """fn(*args), or the exception it raised: a candidate that fails to build is a result."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
 def tune(mod, target, trials: int, cache_dir, tuner: Tuner):
     """Spend up to `trials` measurements on the heaviest kernels not yet in the database.
 
