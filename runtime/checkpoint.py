@@ -188,6 +188,17 @@ def resolve(path) -> Path:
     raise LoracError(f"not a lorac checkpoint (no state.json or {LATEST}): {path}")
 
 
+def read_state(path) -> dict:
+    """A checkpoint's verified state.json alone (its settings), without its tensors."""
+    d = resolve(path)
+    try:
+        state = json.loads((d / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoracError(f"corrupt checkpoint {d}: state.json unreadable ({type(e).__name__})") from None
+    _check_state(d, state)
+    return state
+
+
 def load_checkpoint(path, model_hash: str | None = None, graph_hash: str | None = None) -> Checkpoint:
     """Read and verify a checkpoint (directory or root with `latest`).
 
@@ -195,11 +206,7 @@ def load_checkpoint(path, model_hash: str | None = None, graph_hash: str | None 
     `model_hash`/`graph_hash` are given, one made for another model or artifact.
     """
     d = resolve(path)
-    try:
-        state = json.loads((d / "state.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoracError(f"corrupt checkpoint {d}: state.json unreadable ({type(e).__name__})") from None
-    _check_state(d, state)
+    state = read_state(d)
     for f, digest in state["files"].items():
         if not (d / f).exists():
             raise LoracError(f"corrupt checkpoint {d}: {f} is missing")

@@ -63,10 +63,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help_ = f.metadata.get("help", "")
         if isinstance(default, bool):
             p.add_argument(*flags, dest=f.name, action="store_true", default=None, help=help_)
+        elif "bare" in f.metadata:  # a value, or the flag alone for f.metadata["bare"]
+            p.add_argument(*flags, dest=f.name, nargs="?", const=f.metadata["bare"], default=None,
+                           help=help_ + f" (default: {default}; the flag alone: {f.metadata['bare']})")
         elif f.name in ("lora_targets", "trained_layers"):
             p.add_argument(*flags, dest=f.name, default=None, help=help_, metavar=flag_of(f)[2:].upper().replace("-", "_"))
         else:
-            kind = type(default) if default is not None else str
+            kind = f.metadata.get("type") or (type(default) if default is not None else str)
             shown = f" (default: {default})" if default is not None else ""
             p.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_ + shown,
                            **({"action": _BatchSpelling} if f.name == "batch" else {}))
@@ -116,7 +119,12 @@ def _check_types(values: dict, where: str) -> None:
     defaults = TrainConfig()
     for key, v in values.items():
         d = getattr(defaults, key)
-        if key == "lora_targets":
+        typed = next(f.metadata.get("type") for f in fields(TrainConfig) if f.name == key)
+        if key == "checkpointing":  # on/off/auto, or true/false as when it was a switch
+            ok, kind = isinstance(v, (str, bool)), "auto, on, off, true or false"
+        elif typed is float:
+            ok, kind = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+        elif key == "lora_targets":
             ok, kind = isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v)), \
                 "a string or a list of strings"
         elif isinstance(d, bool):

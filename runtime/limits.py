@@ -70,8 +70,8 @@ def available_memory() -> int | None:
         return None
 
 
-def gpu_memory_free() -> int | None:
-    """Free bytes on CUDA device 0 (cudaMemGetInfo), or None without a usable GPU."""
+def gpu_memory_info() -> tuple[int, int] | None:
+    """(free, total) bytes on the current CUDA device (cudaMemGetInfo), or None without a usable GPU."""
     import ctypes
     try:
         from .gemm_cuda import load_library
@@ -79,9 +79,15 @@ def gpu_memory_free() -> int | None:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
             return None
-        return free.value
+        return free.value, total.value
     except (LoracError, OSError, AttributeError):
         return None
+
+
+def gpu_memory_free() -> int | None:
+    """Free bytes on the current CUDA device, or None without a usable GPU."""
+    info = gpu_memory_info()
+    return info and info[0]
 
 
 def check_memory(spec, train, n_weights: int, target: str) -> None:

@@ -29,6 +29,7 @@ from .optim import LoraPlusConfig
 from .report import Report, compile_all
 
 CPU = "cpu"  # the default --target: every machine has one
+CHECKPOINTING = ("auto", "on", "off")
 
 
 @dataclass
@@ -83,9 +84,16 @@ class TrainConfig:
     ort_providers: str | None = setting(
         None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
         "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
-    checkpointing: bool = setting(False, "recompute each layer's forward in the backward (less memory)")
-    keep_layers: int = setting(0, "with --checkpointing, the N highest layers keep their activations instead "
-                               "(faster, more memory)")
+    # "auto": the fastest setting whose estimated memory fits the GPU (runtime/step_memory.py);
+    # a bare --checkpointing means on, as when the flag was a switch
+    checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, or "
+                                 "auto: on cuda the fastest setting (none, or the most --keep-layers) whose "
+                                 "estimated memory fits the GPU's free memory or --memory-budget; off elsewhere "
+                                 "(docs/RUNTIME.md)", bare="on")
+    keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
+                               "(faster, more memory); given alone, turns checkpointing on")
+    memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
+                                          "(default: the GPU's free memory less a reserve)", type=float)
     loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
                               "logits fit 1.5 GiB)")
     scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
@@ -144,6 +152,18 @@ class TrainConfig:
             raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
         if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
             raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
+        if isinstance(self.checkpointing, bool):  # configs and checkpoints from when it was a switch
+            self.checkpointing = "on" if self.checkpointing else "off"
+        if self.checkpointing not in CHECKPOINTING:
+            raise LoracError(f"--checkpointing must be auto, on or off, got {self.checkpointing!r}")
+        if not isinstance(self.keep_layers, int) or isinstance(self.keep_layers, bool) or self.keep_layers < 0:
+            raise LoracError(f"--keep-layers must be an integer >= 0, got {self.keep_layers!r}")
+        if self.keep_layers and self.checkpointing == "off":
+            raise LoracError("--keep-layers keeps some layers' activations under checkpointing; with "
+                             "--checkpointing off every layer keeps them")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or not isinstance(
+                self.memory_budget, (int, float)) or not 0 < self.memory_budget < math.inf):
+            raise LoracError(f"--memory-budget must be a positive number of GB, got {self.memory_budget!r}")
         if not isinstance(self.tune, int) or isinstance(self.tune, bool) or self.tune < 0:
             raise LoracError(f"--tune must be an integer >= 0 (0: no tuning), got {self.tune!r}")
         if self.tune and (self.backend != "tvm" or self.target not in ("cpu", "cuda")):
@@ -260,13 +280,17 @@ class Run:
                 self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing, keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
+                                    checkpointing=cfg.checkpointing == "on", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
                                     packing=cfg.packing, extra=extra)
+        n_weights = sum(int(w.size) for w in weights.values())
+        if cfg.checkpointing == "auto":
+            self._choose_checkpointing(n_weights)
+            cfg = self.cfg
         self.train_spec.validate(self.spec)
         from . import limits  # before any compile: an impossible size would only fill memory
         limits.check_context(cfg.seq, self.model_config, "--seq")
         limits.check_rank(self.spec, self.train_spec)
-        limits.check_memory(self.spec, self.train_spec, sum(int(w.size) for w in weights.values()), cfg.target)
+        limits.check_memory(self.spec, self.train_spec, n_weights, cfg.target)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
                                  eval_path=eval_path, packing=cfg.packing)
@@ -284,6 +308,37 @@ class Run:
         if self.adapter:
             self.adapter.check_shapes(self.engine.shapes)
         self.model_hash = _model_hash(self.model_config, self.source.path)
+
+    def _choose_checkpointing(self, n_weights: int) -> None:
+        """Resolve --checkpointing auto (runtime/step_memory.py) into on/off and --keep-layers,
+        in the config too (checkpoints record what ran; a resumed run compiles the same graph)."""
+        from . import step_memory
+        cfg, train, log = self.cfg, self.train_spec, self.log
+        if cfg.resume:  # the checkpoint's graph
+            from .checkpoint import read_state
+            saved = read_state(cfg.resume).get("train_config") or {}
+            ckpt, keep = saved.get("checkpointing", False), int(saved.get("keep_layers") or 0)
+            ckpt = ckpt if isinstance(ckpt, bool) else ckpt == "on"
+            why = f"the checkpoint's setting ({cfg.resume})"
+        elif cfg.keep_layers:
+            ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
+        elif cfg.target != "cuda" or cfg.backend != "tvm":
+            ckpt, keep, why = False, 0, f"auto is off on --target {cfg.target}" if cfg.backend == "tvm" else \
+                "auto is off on --backend ort"
+        else:
+            free = None if cfg.memory_budget is not None else devices.for_target(cfg.target).memory_free()
+            budget, source = step_memory.budget_from(free, cfg.memory_budget)
+            gather = getattr(self.dp, "gather", None)
+            if gather is not None and budget is not None:  # every worker compiles the same step
+                budget = int(gather([budget], "the memory budgets").min())
+                source += f", the least of {self.dp.size} workers"
+            n_lora = sum(train.rank * sum(self.spec.proj_shape(t)) for t in train.lora_targets) * len(train.layers(self.spec))
+            dtype = cfg.dtype or devices.for_target(cfg.target).DEFAULT_DTYPE
+            choice = step_memory.choose(self.spec, train, n_weights, n_lora, dtype, budget, source)
+            ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
+        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
+        self.cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)))} ({why})")
 
     # -- state ------------------------------------------------------------------------------
     def fresh_state(self):
@@ -482,6 +537,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
     tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
     t_start = time.perf_counter()
     start_step = st["step"]
+    gpu_in_use = None
     while st["step"] < cfg.steps and not stop["now"]:
         t0 = time.perf_counter()
         st["step"] += 1
@@ -518,6 +574,12 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
         dt = time.perf_counter() - t0
         done = st["step"] - start_step
         eta = (time.perf_counter() - t_start) / done * (cfg.steps - st["step"])
+        if done == 1 and cfg.target == "cuda" and cfg.backend == "tvm":  # the measured side of the plan's estimate
+            from .limits import gpu_memory_info
+            info = gpu_memory_info()
+            if info:
+                gpu_in_use = (info[1] - info[0]) / 1e9
+                log(f"memory: {gpu_in_use:.1f} GB in use on the GPU after the first step (this process and any other)")
         report.step(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
                          tokens_per_s=tokens_per_step / dt, step_s=dt), cfg.steps, eta)
         if cfg.eval_batches and (st["step"] % cfg.eval_every == 0 or st["step"] == cfg.steps):
@@ -542,6 +604,8 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    stopped_by=signal.Signals(stop["signal"]).name if interrupted and stop["signal"] else None,
                    sample_base=base_sample,
                    sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
+    if gpu_in_use is not None:
+        summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
     if not interrupted:
         from .export import PeftRefused, export_peft
         from .plot import plot_metrics

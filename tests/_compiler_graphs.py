@@ -61,3 +61,27 @@ def count_matmuls(model: onnx.ModelProto, units_inlined: bool = True) -> int:
         from lorac.compiler.units import split_units
         model, _ = split_units(model, native={})
     return sum(node.op_type == "MatMul" for node in model.graph.node)
+
+
+def cuda_plan(model, dtype: str, cuda_graph: bool = False) -> dict:
+    """Run compile_graph's CUDA Relax passes (import, bf16, GEMM dispatch, legalize, DLight,
+    memory plan and its arena, CUDA graphs if asked) without codegen; -> the recorded plan. Raises if a
+    kernel is left unscheduled."""
+    import tvm
+    from lorac.compiler import target_cuda
+    from lorac.compiler.pipeline import bind_all_inputs, build_passes, lower_to_relax
+    from lorac.compiler.target_cuda import pass_config, relax_passes, tvm_target
+
+    mod, _, _, _ = lower_to_relax(model, target_cuda, dtype)
+    request = {"kind": "cuda", "cuda_graph": cuda_graph}
+    if cuda_graph:
+        mod = bind_all_inputs(mod)
+    plan: dict = {}
+    target = tvm_target(request)
+    with target, tvm.transform.PassContext(opt_level=3, config=pass_config(request)):
+        mod = tvm.transform.Sequential(build_passes(relax_passes(target), plan, arena=target_cuda.ARENA_PLAN))(mod)
+    unscheduled = [gv.name_hint for gv, f in mod.functions_items()
+                   if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)]
+    assert not unscheduled, unscheduled
+    plan["_mod"] = mod
+    return plan

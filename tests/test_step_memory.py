@@ -1,0 +1,172 @@
+"""--checkpointing auto (runtime/step_memory.py): the memory estimate against the static plans
+the CUDA compiler makes (its Relax passes, no GPU or nvcc needed), the choice of setting for
+a budget, and how the run resolves the setting (target, backend, budget, resume)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from lorac.graphs import ModelSpec, TrainSpec
+from lorac.graphs.families import for_spec
+from lorac.runtime import step_memory
+from lorac.runtime.errors import LoracError
+
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+# small enough to compile in seconds, wide enough that the layers, not the loss, dominate
+LLAMA_GQA4 = dict(model_type="llama", vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
+QWEN3_SMALL = dict(model_type="qwen3", vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=3,
+                   num_attention_heads=6, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+MAMBA_SMALL = dict(model_type="mamba", vocab_size=4096, hidden_size=256, state_size=16, expand=2, conv_kernel=4,
+                   num_hidden_layers=3, tie_word_embeddings=True)
+
+
+def _train(cfg, B, S, **kw):
+    spec = ModelSpec.from_hf_config(cfg)
+    fam = for_spec(spec)
+    return spec, TrainSpec(batch=B, seq=S, lora_targets=fam.TARGETS, rank=16, alpha=32,
+                           extra=fam.train_extra("cuda", 0), **kw)
+
+
+@pytest.mark.parametrize("cfg,B,S,settings", [
+    (LLAMA_GQA4, 2, 1000, [(False, 0), (True, 0), (True, 1)]),  # GQA 4, seq not a power of two, untied
+    (QWEN3_SMALL, 3, 768, [(False, 0), (True, 2)]),  # q/k norms, tied head, GQA 2
+    (MAMBA_SMALL, 2, 1000, [(False, 0), (True, 0)]),
+], ids=["llama-gqa4", "qwen3", "mamba"])
+def test_estimate_follows_the_compiled_plan(cfg, B, S, settings, tmp_path):
+    pytest.importorskip("tvm")
+    from _compiler_graphs import cuda_plan
+
+    from lorac.runtime.engine import Engine
+    from lorac.runtime.optim import LoraPlusConfig
+
+    plans, estimates = [], []
+    for ckpt, keep in settings:
+        spec, train = _train(cfg, B, S, checkpointing=ckpt, keep_layers=keep)
+        engine = Engine(spec, train, {}, "cuda", "bfloat16", tmp_path, LoraPlusConfig(), log=lambda m: None)
+        model = engine._recipe("train")[0]()  # the graph `lorac train` compiles (flat LoRA buffers)
+        plans.append(cuda_plan(model, "bfloat16", cuda_graph=True)["static_plan_bytes"])
+        estimates.append(step_memory.estimate(spec, train, 0, 0))  # the plan alone: no weights, no LoRA state
+    for setting, plan, est in zip(settings, plans, estimates):
+        assert 0.93 <= est / plan <= 1.1, (setting, plan, est)
+    assert sorted(range(len(plans)), key=plans.__getitem__) == sorted(range(len(plans)), key=estimates.__getitem__)
+
+
+def test_choice_is_the_fastest_setting_that_fits():
+    spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
+    n_weights, n_lora = 8_030_000_000, 42_000_000
+    est = lambda ckpt, keep: step_memory.estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep),
+                                                  n_weights, n_lora)
+    # more kept layers cost more; keeping every layer lean costs less than no checkpointing
+    assert est(True, 0) < est(True, 16) < est(True, 32) < est(False, 0)
+    roomy = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", 200 * 10**9, "test")
+    assert (roomy.checkpointing, roomy.keep_layers) == (False, 0)
+    budget, _ = step_memory.budget_from(None, 40.0)
+    mid = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", budget, "test")
+    assert mid.checkpointing and 0 < mid.keep_layers < 32
+    assert est(True, mid.keep_layers) <= budget < est(True, mid.keep_layers + 1)
+    assert "no checkpointing needs" in mid.why
+    tight = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", 10 * 10**9, "test")
+    assert (tight.checkpointing, tight.keep_layers) == (True, 0) and "trying it anyway" in tight.why
+    blind = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", None, "no GPU visible")
+    assert (blind.checkpointing, blind.need) == (False, None)
+
+
+def test_no_estimate_where_attention_keeps_scores():
+    spec, train = _train(LLAMA_GQA4, 2, 256)
+    assert step_memory.estimate(spec, train, 0, 0, dtype="float32") is None  # fp32: not cuDNN's unit
+    assert step_memory.estimate(spec, replace(train, packing="isolated"), 0, 0) is None
+    windowed, wtrain = _train({**LLAMA_GQA4, "model_type": "mistral", "sliding_window": 128}, 2, 256)
+    assert step_memory.estimate(windowed, wtrain, 0, 0) is None
+    assert step_memory.estimate(windowed, replace(wtrain, seq=128), 0, 0) is not None
+    choice = step_memory.choose(spec, train, 0, 0, "float32", 10**12, "test")
+    assert not choice.checkpointing and "no memory estimate" in choice.why
+
+
+def test_budget_sources():
+    assert step_memory.budget_from(None, None) == (None, "no GPU visible")
+    free = 100 * 2**30
+    got, why = step_memory.budget_from(free, None)
+    assert got == free - 5 * 2**30 and "free on the GPU" in why  # 5 %: more than 2 GiB here
+    got, _ = step_memory.budget_from(10 * 2**30, None)
+    assert got == 8 * 2**30  # at least 2 GiB held back
+    got, why = step_memory.budget_from(free, 40.0)
+    assert got == 40 * 10**9 - step_memory.WORKSPACE and "--memory-budget 40" in why
+
+
+# -- how a run resolves the setting ------------------------------------------------------
+def _resolve(monkeypatch, free=None, **cfg):
+    from lorac.runtime import devices
+    from lorac.runtime.train import Run, TrainConfig
+
+    monkeypatch.setattr(devices.for_target("cuda"), "memory_free", lambda: free)
+    spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
+    logs = []
+    run = SimpleNamespace(cfg=TrainConfig(**cfg), train_spec=train, spec=spec, log=logs.append,
+                          dp=SimpleNamespace(size=1))
+    Run._choose_checkpointing(run, 8_030_000_000)
+    return run, logs
+
+
+def test_run_resolves_auto(monkeypatch):
+    run, logs = _resolve(monkeypatch)  # cpu: off, as before
+    assert (run.cfg.checkpointing, run.train_spec.checkpointing) == ("off", False)
+    assert logs == ["memory: auto: checkpointing off (auto is off on --target cpu)"]
+    run, logs = _resolve(monkeypatch, target="cuda", memory_budget=40.0)
+    assert run.cfg.checkpointing == "on" and 0 < run.cfg.keep_layers == run.train_spec.keep_layers < 32
+    assert logs[0].startswith(f"memory: auto: checkpointing on, keeping {run.cfg.keep_layers} of 32 layers (estimated")
+    run, logs = _resolve(monkeypatch, free=140 * 10**9, target="cuda")  # a whole H200: nothing to recompute
+    assert run.cfg.checkpointing == "off" and "free on the GPU" in logs[0]
+    run, logs = _resolve(monkeypatch, free=None, target="cuda")  # compile-only, no GPU, no budget
+    assert run.cfg.checkpointing == "off" and "no budget to fit" in logs[0]
+    run, _ = _resolve(monkeypatch, target="cuda", backend="ort")
+    assert run.cfg.checkpointing == "off"
+    run, logs = _resolve(monkeypatch, target="cuda", keep_layers=5)
+    assert (run.cfg.checkpointing, run.train_spec.keep_layers) == ("on", 5) and "--keep-layers given" in logs[0]
+
+
+def test_resume_adopts_the_checkpoints_setting(monkeypatch):
+    from lorac.runtime import checkpoint
+    for saved, want in ((True, ("on", 3)), ("on", ("on", 3)), (False, ("off", 0)), ("off", ("off", 0))):
+        monkeypatch.setattr(checkpoint, "read_state", lambda _p, s=saved: {"train_config": {"checkpointing": s,
+                                                                                            "keep_layers": 3}})
+        run, logs = _resolve(monkeypatch, free=140 * 10**9, target="cuda", resume="ck")
+        assert (run.cfg.checkpointing, run.cfg.keep_layers) == want and "the checkpoint's setting" in logs[0]
+
+
+def test_flags_and_config_values():
+    from lorac.runtime.cli import build_parser, train_config
+    from lorac.runtime.train import TrainConfig
+
+    parse = lambda *a: train_config(build_parser().parse_args(["train", *a]))
+    assert parse().checkpointing == "auto"
+    assert parse("--checkpointing").checkpointing == "on"  # the flag alone, as when it was a switch
+    assert parse("--checkpointing", "--keep-layers", "3").keep_layers == 3
+    assert parse("--checkpointing", "off").checkpointing == "off"
+    assert parse("--memory-budget", "39.5").memory_budget == 39.5
+    for old, new in ((True, "on"), (False, "off")):  # API use and configs from when it was a bool
+        cfg = TrainConfig(checkpointing=old)
+        cfg.validate()
+        assert cfg.checkpointing == new
+    for bad, match in ((dict(checkpointing="maybe"), "--checkpointing must be auto, on or off"),
+                       (dict(memory_budget=-1.0), "--memory-budget must be a positive number"),
+                       (dict(memory_budget="lots"), "--memory-budget must be a positive number"),
+                       (dict(checkpointing="off", keep_layers=2), "--keep-layers keeps some layers"),
+                       (dict(keep_layers=-1), "--keep-layers must be an integer >= 0")):
+        with pytest.raises(LoracError, match=match):
+            TrainConfig(**bad).validate()
+
+
+def test_toml_config_takes_the_old_and_new_spellings(tmp_path):
+    from lorac.runtime.cli import build_parser, train_config
+    for text, want in (("checkpointing = true\n", "on"), ('checkpointing = "auto"\nmemory_budget = 40\n', "auto")):
+        (tmp_path / "c.toml").write_text(text)
+        cfg = train_config(build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml")]))
+        cfg.validate()
+        assert cfg.checkpointing == want
+    (tmp_path / "c.toml").write_text('memory_budget = "40"\n')
+    with pytest.raises(LoracError, match="memory_budget = '40' must be a number"):
+        train_config(build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml")]))
