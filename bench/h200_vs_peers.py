@@ -66,6 +66,8 @@ CASES = {
                          ["compile"]),  # <= 40 GB
     "8b-4x2048-keep28": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 28, "loss_chunk": 512},
                          []),  # 512-token loss chunks: 0.26 GB less than 1024, room for one more kept layer
+    # `lorac train --memory-budget 40`: the setting --checkpointing auto picks (runtime/step_memory.py)
+    "8b-4x2048-auto40": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 40.0}, ["compile"]),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
     "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
@@ -86,12 +88,29 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0):
     spec = ModelSpec.from_hf_config(cfg)
     fam = for_spec(spec)
     kw = {"loss_chunk": auto_chunk(spec.vocab, B * S), **extra}  # `lorac train`'s CUDA default
+    budget = kw.pop("memory_budget", None)
     targets = MAMBA_PEER_TARGETS if spec.arch == "mamba" else fam.TARGETS  # what the PEFT peer trains
     train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, extra=fam.train_extra("cuda", 0), **kw)
+    if budget is not None:
+        train = auto_checkpointing(spec, train, budget)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
     eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True),
                  tune=tune)
     return eng, spec, optim
+
+
+def auto_checkpointing(spec, train, budget_gb: float):
+    """`train` with the checkpointing `lorac train --memory-budget budget_gb` picks (decoder shapes)."""
+    from dataclasses import replace
+
+    from lorac.runtime import step_memory
+    D, L, q, kv = spec.hidden, spec.layers, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    n_weights = spec.vocab * D * (1 if spec.tied else 2) + L * (2 * D * q + 2 * D * kv + 3 * D * spec.intermediate + 2 * D) + D
+    n_lora = sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * L
+    budget, source = step_memory.budget_from(None, budget_gb)
+    c = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", budget, source)
+    print(f"memory: auto: {step_memory.describe(c.checkpointing, c.keep_layers, L)} ({c.why})", flush=True)
+    return replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers)
 
 
 def model_flops(cfg: dict, B: int, S: int) -> float:
