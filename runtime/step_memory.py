@@ -129,7 +129,7 @@ def choose(spec, train, n_weights: int, n_lora: int, dtype: str, budget: int | N
     none does); no checkpointing without a budget or an estimate."""
     gb = lambda n: f"{n / 1e9:.1f} GB"
     if budget is None:
-        return Choice(False, 0, None, f"{source}: no budget to fit (give --memory-budget GB to choose for a GPU)")
+        return Choice(False, 0, None, f"{source}, no budget to fit; give --memory-budget GB to choose for a GPU")
     n_trained = len(train.layers(spec))
     first = None
     for ckpt, keep in settings(n_trained):
