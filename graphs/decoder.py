@@ -207,3 +207,19 @@ def lora_tensor_names(spec: ModelSpec, train: TrainSpec) -> list[str]:
 
 def describe(spec: ModelSpec, train: TrainSpec, kind: str) -> str:
     return f"lorac {kind} graph; model {spec}; train {train}"
+
+
+def activation_bytes(spec, itemsize: int, lean_extra: int = 0, full_extra: int = 0, backward_extra: int = 0):
+    """Bytes a token that one trained layer of the compiled step keeps for its backward, with
+    attention on cuDNN's fused unit (runtime/step_memory.py, measured on compiled CUDA plans):
+    (full: no checkpointing, lean: a kept layer under checkpointing (Saved), recomputed: its
+    input and the per-token statistics beside it, backward: the gradients its backward holds
+    beside the full set). Lean: the input, q, k, v, the attention output, the mid-layer
+    residual, gate and up (q and k again before q/k norms); full adds the norms' outputs and
+    silu(gate) * up. The *_extra are a family's own values (in elements)."""
+    D, I = spec.hidden, spec.intermediate
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    lean = 2 * D + 2 * q + 2 * kv + 2 * I + (q + kv if spec.qk_norm else 0) + lean_extra
+    full = lean + 2 * D + I + full_extra
+    return full * itemsize, lean * itemsize, 1.1 * D * itemsize, (3 * D + backward_extra) * itemsize
+

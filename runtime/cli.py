@@ -65,7 +65,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(*flags, dest=f.name, action="store_true", default=None, help=help_)
         elif "bare" in f.metadata:  # a value, or the flag alone for f.metadata["bare"]
             p.add_argument(*flags, dest=f.name, nargs="?", const=f.metadata["bare"], default=None,
-                           help=help_ + f" (default: {default}; the flag alone: {f.metadata['bare']})")
+                           help=help_ + f"; the flag alone: {f.metadata['bare']} (default: {default})")
         elif f.name in ("lora_targets", "trained_layers"):
             p.add_argument(*flags, dest=f.name, default=None, help=help_, metavar=flag_of(f)[2:].upper().replace("-", "_"))
         else:

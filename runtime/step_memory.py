@@ -24,14 +24,15 @@ compiled CUDA steps were measured to plan:
   recomputed or not, and its gradients: 3 [T, D] values; Mamba's scan 8 [T, I]), which is
   the larger with checkpointing and a small vocabulary.
 Phi-3 keeps its fused projections' outputs as well; Mamba keeps ~18 I values a token in a
-layer, its recomputed layers an fp32 input. Measured against the plans of compiled bf16 CUDA
-steps (tests/test_step_memory.py; Llama-3-8B shape 4x2048 keeping 27 of 32 layers: 22.0
-estimated, 22.13 GB planned; Qwen3-0.6B 8x1024: 11.65 vs 11.7 GB) the estimates of the
-Llama, Qwen3 and Mamba shapes are within 3 %, Phi-3's within 3-13 % (both sides), and the
-small shapes of the tests up to 7 % over. Attention that is not
-cuDNN's fused unit (fp32 steps, windows shorter than the sequence, soft-capped logits,
-documents packed in isolation) holds score matrices this model leaves out: there the
-estimate is None and `auto` does not checkpoint.
+layer, its recomputed layers an fp32 input. Each family states its widths (`activation_bytes`
+in graphs/families/; the decoder's in graphs/decoder.py). Measured against the plans of
+compiled bf16 CUDA steps (bench/step_memory_fit.py, tests/test_step_memory.py; Llama-3-8B
+shape 4x2048 keeping 27 of 32 layers: 21.9 estimated, 22.13 GB planned; Qwen3-0.6B 8x1024:
+11.6 vs 11.7 GB) the estimates of the Llama, Qwen3 and Mamba shapes are within 4 %,
+Phi-3's within 3-13 % (both sides), and the small shapes of the tests up to 7 % over.
+Attention that is not cuDNN's fused unit (fp32 steps, windows shorter than the sequence,
+Gemma 2's soft-capped scores, documents packed in isolation) holds score matrices this
+model leaves out: there the estimate is None and `auto` does not checkpoint.
 """
 from __future__ import annotations
 
@@ -58,40 +59,21 @@ def describe(checkpointing: bool, keep_layers: int, n_trained: int) -> str:
 
 
 def _fused_attention(spec, train, dtype: str) -> bool:
-    """Whether the step's attention is cuDNN's fused unit (no [S, S] scores kept)."""
+    """Whether the step's attention is cuDNN's fused unit as far as the run's settings go (no
+    [S, S] scores kept); a family whose attention never is says so itself (activation_bytes)."""
     if dtype != "bfloat16" or getattr(train, "packing", "plain") == "isolated":
-        return False
-    if spec.arch == "gemma2":  # soft-capped scores: decomposed attention
         return False
     window = getattr(spec, "sliding_window", None)
     return window is None or window >= train.seq
 
 
-def layer_bytes(spec, itemsize: int) -> tuple[float, float, float, float] | None:
-    """(full, lean, recomputed, backward): bytes a token that one trained layer keeps without
-    checkpointing, as a kept layer with checkpointing, and as a recomputed one, and what its
-    backward holds beside its full set; None for a family the model does not cover."""
-    if spec.arch == "mamba":
-        full = 18 * spec.intermediate * itemsize
-        # its recomputed input is the fp32 residual; its backward holds the scan's gradients
-        return full, full, 4.5 * spec.hidden, 8 * spec.intermediate * itemsize
-    if spec.arch not in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
-        return None
-    D, I = spec.hidden, spec.intermediate
-    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    lean = 2 * D + 2 * q + 2 * kv + 2 * I + (q + kv if spec.qk_norm else 0)
-    extra, backward = 2 * D + I, 3 * D
-    if spec.arch == "phi3":  # the fused qkv and gate_up outputs beside their parts, and gate_up's gradient
-        lean, extra, backward = lean + D, extra + 2 * I, backward + 2 * I
-    return (lean + extra) * itemsize, lean * itemsize, 1.1 * D * itemsize, backward * itemsize
-
-
 def estimate(spec, train, n_weights: int, n_lora: int, dtype: str = "bfloat16") -> int | None:
     """Bytes the step holds on a CUDA device: static plan + frozen weights + LoRA state (the
     module doc), or None where the model does not apply."""
+    from lorac.graphs.families import for_spec
     itemsize = 2 if dtype == "bfloat16" else 4
-    per = layer_bytes(spec, itemsize)
-    if per is None or (spec.arch != "mamba" and not _fused_attention(spec, train, dtype)):
+    per = for_spec(spec).activation_bytes(spec, itemsize)
+    if per is None or (hasattr(spec, "heads") and not _fused_attention(spec, train, dtype)):
         return None
     full, lean, recomputed, backward = per
     T = train.batch * train.seq

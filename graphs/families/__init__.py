@@ -33,6 +33,9 @@ A family module defines (llama.py is the model to copy):
   PACKING_ISOLATED   whether --packing isolated is implemented (its graph takes position_ids)
   RESIDUAL_IN_FP32   whether its reference keeps the residual stream in fp32 in bf16 models
                      (the graph's metadata then tells the compiler: compiler/residual_stream.py)
+  activation_bytes(spec, itemsize) -> bytes a token a trained layer of the compiled step
+                     keeps (full, lean, recomputed, backward), or None where its attention
+                     keeps score matrices (runtime/step_memory.py, --checkpointing auto)
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ REQUIRED = ("MODEL_TYPES", "HF_ARCHITECTURES", "TARGETS", "spec_from_hf", "decla
             "layer_forward", "layer_backward", "lora_tensor_names", "describe", "lora_name", "weight_name",
             "required_tensors", "PEFT_LEFT_OUT", "GGUF_ARCHS", "config_from_gguf", "GGUF_LAYER_NAMES",
             "GGUF_GLOBAL_NAMES", "tensor_from_gguf", "GGUF_TARGETS", "gguf_export", "train_extra",
-            "CONTEXT_LIMITED", "PACKING_ISOLATED", "RESIDUAL_IN_FP32")
+            "CONTEXT_LIMITED", "PACKING_ISOLATED", "RESIDUAL_IN_FP32", "activation_bytes")
 
 
 @functools.cache

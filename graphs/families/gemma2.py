@@ -240,3 +240,10 @@ def tensor_from_gguf(name: str, w, config: dict):
 
 def gguf_export(config: dict):
     return "gemma2", {}
+
+
+def activation_bytes(spec, itemsize: int):
+    """None: soft-capped attention scores are not cuDNN's fused unit, so the step keeps score
+    matrices the memory model of runtime/step_memory.py leaves out."""
+    return None
+

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, embed, gated_mlp_backward, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
+from ..decoder import activation_bytes as _decoder_bytes
 from ..linear import Proj, add_lora, linear_forward, projection_backward
 from ..mlp import swiglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
@@ -211,3 +212,11 @@ def tensor_from_gguf(name: str, w, config: dict):
 
 def gguf_export(config: dict):
     return "phi3", {}
+
+
+def activation_bytes(spec, itemsize: int):
+    """The decoder's, with the fused qkv and gate_up outputs kept beside their parts and
+    gate_up's gradient in the backward (runtime/step_memory.py)."""
+    I = spec.intermediate
+    return _decoder_bytes(spec, itemsize, lean_extra=spec.hidden, full_extra=2 * I, backward_extra=2 * I)
+
