@@ -106,9 +106,8 @@ def auto_checkpointing(spec, train, budget_gb: float):
     from lorac.runtime import step_memory
     D, L, q, kv = spec.hidden, spec.layers, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     n_weights = spec.vocab * D * (1 if spec.tied else 2) + L * (2 * D * q + 2 * D * kv + 3 * D * spec.intermediate + 2 * D) + D
-    n_lora = sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * L
     budget, source = step_memory.budget_from(None, budget_gb)
-    c = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", budget, source)
+    c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source)
     print(f"memory: auto: {step_memory.describe(c.checkpointing, c.keep_layers, L)} ({c.why})", flush=True)
     return replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers)
 

@@ -31,7 +31,7 @@ def fit(cache: str, case: str) -> dict:
     from lorac.graphs.loss import auto_chunk
     from lorac.runtime.engine import Engine
     from lorac.runtime.optim import LoraPlusConfig
-    from lorac.runtime.step_memory import estimate
+    from lorac.runtime.step_memory import plan_bytes
 
     name, B, S, L, ckpt, keep, *chunk = case.split(":")
     B, S = int(B), int(S)
@@ -44,7 +44,7 @@ def fit(cache: str, case: str) -> dict:
     t = time.perf_counter()
     art = eng.compile("train")
     plan = json.loads((art / "manifest.json").read_text())["memory"]["static_plan_bytes"]
-    est = estimate(spec, train, 0, 0)
+    est = plan_bytes(spec, train)
     return dict(case=case, plan_gb=round(plan / 1e9, 3), estimate_gb=round(est / 1e9, 3),
                 ratio=round(est / plan, 3), compile_s=round(time.perf_counter() - t, 1))
 

@@ -5,8 +5,8 @@ gpu_generic.default_schedules).
 A candidate is built as the artifact's kernels are: TVM writes CUDA source, nvcc turns it
 into a fatbin (target_cuda.compile_fatbin), and lorac's load callback, the one the runtime's
 loader uses too, hands that to the driver (core/cuda_kernels.py). The candidates of one
-round are compiled by parallel nvcc processes, one per core; a source that reaches the callback without a fatbin (TVM asks
-for it while building) is compiled there and then. Needs the full TVM (the compiler
+round are compiled by parallel nvcc processes, one per core; a source that reaches the
+callback without a fatbin (TVM asks for it while building) is compiled there and then. Needs the full TVM (the compiler
 library), nvcc and the GPU on one machine; a compile that finds every kernel in the
 database needs none of them but the compiler."""
 from __future__ import annotations

@@ -41,12 +41,17 @@ def check_rank(spec, train, flag: str = "--rank") -> None:
                          f"a rank-r LoRA of an [out, in] matrix needs r <= min(out, in)")
 
 
+def lora_params(spec, train) -> int:
+    """How many LoRA parameters a run trains: rank x (in + out) per adapted projection and layer."""
+    return sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * len(train.layers(spec))
+
+
 def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4, target: str = "cpu") -> int:
     """A lower bound on the bytes one training step needs (module doc). On CUDA the frozen
     weights are bf16 and attention is cuDNN's fused kernel (no [S, S] probabilities), except
     for packed documents (--packing isolated), whose attention is inlined (bf16 scores)."""
     b, s, layers = train.batch, train.seq, len(train.layers(spec))
-    lora = sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * layers
+    lora = lora_params(spec, train)
     attention = b * spec.heads * s * s if hasattr(spec, "heads") else 0  # Mamba has none
     if target == "cuda":
         attention = attention // 2 if getattr(train, "packing", "plain") == "isolated" else 0

@@ -67,9 +67,9 @@ def _fused_attention(spec, train, dtype: str) -> bool:
     return window is None or window >= train.seq
 
 
-def estimate(spec, train, n_weights: int, n_lora: int, dtype: str = "bfloat16") -> int | None:
-    """Bytes the step holds on a CUDA device: static plan + frozen weights + LoRA state (the
-    module doc), or None where the model does not apply."""
+def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
+    """The step's static plan (activations and workspace; the module doc), or None where the
+    model does not apply."""
     from lorac.graphs.families import for_spec
     itemsize = 2 if dtype == "bfloat16" else 4
     per = for_spec(spec).activation_bytes(spec, itemsize)
@@ -81,9 +81,19 @@ def estimate(spec, train, n_weights: int, n_lora: int, dtype: str = "bfloat16") 
             for layer in sorted(train.layers(spec))]
     chunk = min(train.loss_chunk or T, T)
     peak = (sum(kept) + 3 * itemsize * spec.hidden) * T + 4 * chunk * spec.vocab  # the loss, everything kept
-    for i in range(len(kept)):  # each layer's backward: the layers below it, its full set again, gradients
-        peak = max(peak, (sum(kept[:i]) + full + backward) * T)
-    return int(peak + n_weights * itemsize + 16 * n_lora)
+    below = 0.0
+    for k in kept:  # each layer's backward, bottom up: the layers below it, its full set again, gradients
+        peak = max(peak, (below + full + backward) * T)
+        below += k
+    return int(peak)
+
+
+def estimate(spec, train, n_weights: int, dtype: str = "bfloat16") -> int | None:
+    """Bytes the step holds on a CUDA device: static plan + frozen weights + LoRA state
+    (parameters, gradients, AdamW moments in fp32), or None where the plan is not modelled."""
+    from .limits import lora_params
+    plan = plan_bytes(spec, train, dtype)
+    return None if plan is None else plan + n_weights * (2 if dtype == "bfloat16" else 4) + 16 * lora_params(spec, train)
 
 
 def settings(n_trained: int):
@@ -106,7 +116,7 @@ def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, s
     return free - reserve, f"{free / 1e9:.1f} GB free on the GPU less {reserve / 1e9:.1f} GB reserve"
 
 
-def choose(spec, train, n_weights: int, n_lora: int, dtype: str, budget: int | None, source: str) -> Choice:
+def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str) -> Choice:
     """The fastest setting of settings() whose estimate fits `budget` (full checkpointing when
     none does); no checkpointing without a budget or an estimate."""
     gb = lambda n: f"{n / 1e9:.1f} GB"
@@ -115,7 +125,7 @@ def choose(spec, train, n_weights: int, n_lora: int, dtype: str, budget: int | N
     n_trained = len(train.layers(spec))
     first = None
     for ckpt, keep in settings(n_trained):
-        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep), n_weights, n_lora, dtype)
+        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep), n_weights, dtype)
         if need is None:
             return Choice(False, 0, None, "no memory estimate for this model and attention (docs/RUNTIME.md); "
                                           "set --checkpointing / --keep-layers yourself")

@@ -332,9 +332,8 @@ class Run:
             if gather is not None and budget is not None:  # every worker compiles the same step
                 budget = int(gather([budget], "the memory budgets").min())
                 source += f", the least of {self.dp.size} workers"
-            n_lora = sum(train.rank * sum(self.spec.proj_shape(t)) for t in train.lora_targets) * len(train.layers(self.spec))
             dtype = cfg.dtype or devices.for_target(cfg.target).DEFAULT_DTYPE
-            choice = step_memory.choose(self.spec, train, n_weights, n_lora, dtype, budget, source)
+            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source)
             ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
         self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
         self.cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)

@@ -49,7 +49,7 @@ def test_estimate_follows_the_compiled_plan(cfg, B, S, settings, tmp_path):
         engine = Engine(spec, train, {}, "cuda", "bfloat16", tmp_path, LoraPlusConfig(), log=lambda m: None)
         model = engine._recipe("train")[0]()  # the graph `lorac train` compiles (flat LoRA buffers)
         plans.append(cuda_plan(model, "bfloat16", cuda_graph=True)["static_plan_bytes"])
-        estimates.append(step_memory.estimate(spec, train, 0, 0))  # the plan alone: no weights, no LoRA state
+        estimates.append(step_memory.plan_bytes(spec, train))
     for setting, plan, est in zip(settings, plans, estimates):
         assert 0.93 <= est / plan <= 1.1, (setting, plan, est)
     assert sorted(range(len(plans)), key=plans.__getitem__) == sorted(range(len(plans)), key=estimates.__getitem__)
@@ -57,32 +57,31 @@ def test_estimate_follows_the_compiled_plan(cfg, B, S, settings, tmp_path):
 
 def test_choice_is_the_fastest_setting_that_fits():
     spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
-    n_weights, n_lora = 8_030_000_000, 42_000_000
-    est = lambda ckpt, keep: step_memory.estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep),
-                                                  n_weights, n_lora)
+    n_weights = 8_030_000_000
+    est = lambda ckpt, keep: step_memory.estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep), n_weights)
     # more kept layers cost more; keeping every layer lean costs less than no checkpointing
     assert est(True, 0) < est(True, 16) < est(True, 32) < est(False, 0)
-    roomy = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", 200 * 10**9, "test")
+    roomy = step_memory.choose(spec, train, n_weights, "bfloat16", 200 * 10**9, "test")
     assert (roomy.checkpointing, roomy.keep_layers) == (False, 0)
     budget, _ = step_memory.budget_from(None, 40.0)
-    mid = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", budget, "test")
+    mid = step_memory.choose(spec, train, n_weights, "bfloat16", budget, "test")
     assert mid.checkpointing and 0 < mid.keep_layers < 32
     assert est(True, mid.keep_layers) <= budget < est(True, mid.keep_layers + 1)
     assert "no checkpointing needs" in mid.why
-    tight = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", 10 * 10**9, "test")
+    tight = step_memory.choose(spec, train, n_weights, "bfloat16", 10 * 10**9, "test")
     assert (tight.checkpointing, tight.keep_layers) == (True, 0) and "trying it anyway" in tight.why
-    blind = step_memory.choose(spec, train, n_weights, n_lora, "bfloat16", None, "no GPU visible")
+    blind = step_memory.choose(spec, train, n_weights, "bfloat16", None, "no GPU visible")
     assert (blind.checkpointing, blind.need) == (False, None)
 
 
 def test_no_estimate_where_attention_keeps_scores():
     spec, train = _train(LLAMA_GQA4, 2, 256)
-    assert step_memory.estimate(spec, train, 0, 0, dtype="float32") is None  # fp32: not cuDNN's unit
-    assert step_memory.estimate(spec, replace(train, packing="isolated"), 0, 0) is None
+    assert step_memory.plan_bytes(spec, train, dtype="float32") is None  # fp32: not cuDNN's unit
+    assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) is None
     windowed, wtrain = _train({**LLAMA_GQA4, "model_type": "mistral", "sliding_window": 128}, 2, 256)
-    assert step_memory.estimate(windowed, wtrain, 0, 0) is None
-    assert step_memory.estimate(windowed, replace(wtrain, seq=128), 0, 0) is not None
-    choice = step_memory.choose(spec, train, 0, 0, "float32", 10**12, "test")
+    assert step_memory.plan_bytes(windowed, wtrain) is None
+    assert step_memory.plan_bytes(windowed, replace(wtrain, seq=128)) is not None
+    choice = step_memory.choose(spec, train, 0, "float32", 10**12, "test")
     assert not choice.checkpointing and "no memory estimate" in choice.why
 
 
