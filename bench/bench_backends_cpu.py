@@ -53,10 +53,10 @@ def lorac_step(backend: str, case: str, steps: int, threads: int, cache: str) ->
     import numpy as np
 
     from lorac.graphs import ModelSpec, TrainSpec, build_training_graph
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.engine_ort import OrtEngine
-    from lorac.runtime.optim import LoraPlusConfig
-    from lorac.runtime.train import init_lora
+    from lorac.runtime.engine.tvm import Engine
+    from lorac.runtime.engine.ort import OrtEngine
+    from lorac.runtime.train.optim import LoraPlusConfig
+    from lorac.runtime.train.run import init_lora
 
     spec = ModelSpec.from_hf_config(CASES[case])
     train = TrainSpec(batch=B, seq=S, rank=RANK, alpha=ALPHA, lora_targets=TARGETS)

@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from lorac.runtime.gguf_quant import OWN
+from lorac.runtime.model.gguf_quant import OWN
 
 ROWS, COLS = 49152, 576
 READ = """
@@ -26,7 +26,7 @@ import sys, time, numpy as np
 path, way = sys.argv[1:3]
 t0 = time.perf_counter()
 if way == "mapped":
-    from lorac.runtime.weights import load_safetensors
+    from lorac.runtime.model.weights import load_safetensors
     w = load_safetensors(path)
 else:
     from safetensors import safe_open

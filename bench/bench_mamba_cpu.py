@@ -68,9 +68,9 @@ def main() -> None:
 
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.mamba import DEVICE_CHUNK
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.optim import LoraPlusConfig, group_lrs
-    from lorac.runtime.train import init_lora
+    from lorac.runtime.engine.tvm import Engine
+    from lorac.runtime.train.optim import LoraPlusConfig, group_lrs
+    from lorac.runtime.train.run import init_lora
 
     spec = ModelSpec.from_hf_config({**MAMBA_130M, "num_hidden_layers": args.layers})
     extra = {"scan_chunk": args.scan_chunk or DEVICE_CHUNK["cpu"]}

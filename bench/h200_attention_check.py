@@ -67,7 +67,7 @@ def reference(q, k, v, do, scale):
 
 def device(root: Path) -> None:
     sys.modules["torch"] = None
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     rows = []
     for case in CASES:
         B, S, H, K, Dh = case

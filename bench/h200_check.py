@@ -48,7 +48,7 @@ def make_inputs(manifest: dict, exact: bool = True) -> dict[str, np.ndarray]:
 
 
 def reference(art_root: Path) -> None:
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     for d in sorted(art_root.glob("*-float32-*-cpu")):
         step = load_artifact(d, "cpu")
         out = step(make_inputs(step.manifest))
@@ -79,8 +79,8 @@ def device(art_root: Path, out_dir: Path) -> None:
     import tvm
     import tvm_ffi
 
-    from lorac.runtime import gemm
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine import gemm
+    from lorac.runtime.engine.artifact import load_artifact
     print("tvm", tvm.__version__, "runtime-only:", not hasattr(tvm, "relax"), flush=True)
     results = []
     for d in sorted(p for p in art_root.iterdir() if p.is_dir() and not p.name.endswith("-cpu")):

@@ -27,8 +27,8 @@ CASES = [("40m", QWEN3_40M, 8, 1024), ("q06", QWEN3_06B, 1, 512), ("q06", QWEN3_
 
 def _engine(cfg, B, S, cache, cuda_graph, weights=None):
     from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.optim import LoraPlusConfig
+    from lorac.runtime.engine.tvm import Engine
+    from lorac.runtime.train.optim import LoraPlusConfig
 
     spec = ModelSpec.from_hf_config(cfg)
     train = TrainSpec(batch=B, seq=S, lora_targets=tuple(ALL_TARGETS), rank=16, alpha=32)
@@ -47,9 +47,9 @@ def prepare(cache: str) -> None:
 
 def device(cache: str, steps: int) -> None:
     sys.modules["torch"] = None  # the runtime must not need torch
-    from lorac.runtime.artifact import read_manifest
-    from lorac.runtime.optim import group_lrs
-    from lorac.runtime.train import init_lora
+    from lorac.runtime.engine.artifact import read_manifest
+    from lorac.runtime.train.optim import group_lrs
+    from lorac.runtime.train.run import init_lora
 
     for name, cfg, B, S in CASES:
         losses, res = {}, {"case": f"{name}-{B}x{S}"}

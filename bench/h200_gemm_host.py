@@ -31,7 +31,9 @@ def main() -> None:
     import tvm
     import tvm_ffi
 
-    from lorac.runtime import cuda_loader, gemm, gemm_cuda
+    from lorac.runtime.devices.cuda import loader as cuda_loader
+    from lorac.runtime.engine import gemm
+    from lorac.runtime.devices.cuda import gemm as gemm_cuda
 
     cuda_loader._ensure_cuda_device_api()
     gemm.register()

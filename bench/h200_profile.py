@@ -27,7 +27,7 @@ sys.modules["torch"] = None  # the runtime must not need torch
 sys.path.insert(0, str(Path(__file__).parent))
 from h200_check import device_inputs, time_step  # noqa: E402
 
-from lorac.runtime.artifact import load_artifact  # noqa: E402
+from lorac.runtime.engine.artifact import load_artifact  # noqa: E402
 
 
 def _group(symbol: str) -> str:
@@ -119,7 +119,7 @@ def _gpu_busy(step, args) -> dict:
 
     import tvm_ffi
 
-    from lorac.runtime.gemm_cuda import load_library
+    from lorac.runtime.devices.cuda.gemm import load_library
 
     rt = load_library("libcudart")
     get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream

@@ -12,7 +12,7 @@ sys.modules["torch"] = None  # the runtime must not need torch
 sys.path.insert(0, str(Path(__file__).parent))
 from h200_check import device_inputs, time_step  # noqa: E402
 
-from lorac.runtime.artifact import load_artifact  # noqa: E402
+from lorac.runtime.engine.artifact import load_artifact  # noqa: E402
 
 art, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
 step = load_artifact(art, "cuda")

@@ -66,7 +66,7 @@ CASES = {
                          ["compile"]),  # <= 40 GB
     "8b-4x2048-keep28": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "keep_layers": 28, "loss_chunk": 512},
                          []),  # 512-token loss chunks: 0.26 GB less than 1024, room for one more kept layer
-    # `lorac train --memory-budget 40`: the setting --checkpointing auto picks (runtime/step_memory.py)
+    # `lorac train --memory-budget 40`: the setting --checkpointing auto picks (runtime/train/memory.py)
     "8b-4x2048-auto40": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 40.0}, ["compile"]),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
@@ -81,8 +81,8 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.loss import auto_chunk
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.optim import LoraPlusConfig
+    from lorac.runtime.engine.tvm import Engine
+    from lorac.runtime.train.optim import LoraPlusConfig
 
     cfg, _, B, S, extra, _ = CASES[case]
     spec = ModelSpec.from_hf_config(cfg)
@@ -103,7 +103,7 @@ def auto_checkpointing(spec, train, budget_gb: float):
     """`train` with the checkpointing `lorac train --memory-budget budget_gb` picks (decoder shapes)."""
     from dataclasses import replace
 
-    from lorac.runtime import step_memory
+    from lorac.runtime.train import memory as step_memory
     D, L, q, kv = spec.hidden, spec.layers, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     n_weights = spec.vocab * D * (1 if spec.tied else 2) + L * (2 * D * q + 2 * D * kv + 3 * D * spec.intermediate + 2 * D) + D
     budget, source = step_memory.budget_from(None, budget_gb)
@@ -133,7 +133,7 @@ def prepare(cache: str, cases: list[str]) -> None:
 
 
 def _gpu_used() -> int:
-    from lorac.runtime.gemm_cuda import load_library
+    from lorac.runtime.devices.cuda.gemm import load_library
     cudart = load_library("libcudart")
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
@@ -144,8 +144,8 @@ def case_engine(cache: str, case: str, tune: int = 0):
     """An engine for `case` with random frozen weights and LoRA state, ready to step:
     (engine, spec, optimizer config, manifest, batches, GPU bytes in use before loading)."""
     import ml_dtypes
-    from lorac.runtime.artifact import read_manifest
-    from lorac.runtime.train import init_lora
+    from lorac.runtime.engine.artifact import read_manifest
+    from lorac.runtime.train.run import init_lora
 
     eng, spec, optim = _engine(case, cache, tune=tune)
     m = read_manifest(eng.compile("train"))  # a cache hit: the input names and dtypes
@@ -172,7 +172,7 @@ def case_engine(cache: str, case: str, tune: int = 0):
 def full_step(eng, optim, ids, t: int) -> float:
     """What `lorac train` runs each step: the compiled step, the LoRA+ AdamW update with
     clipping (its grad-norm read waits for the device), then the loss read back. -> the loss."""
-    from lorac.runtime.optim import group_lrs
+    from lorac.runtime.train.optim import group_lrs
     out = eng.step({"input_ids": ids, "labels": ids}, eng.lora, read_loss=False)
     loss = out.pop("loss")
     eng.update(out, *group_lrs(t, optim), t)
@@ -208,7 +208,7 @@ def lorac_case(cache: str, case: str, steps: int = 10, tune: int = 0) -> dict:
 def _parts(eng, optim, batches, n: int = 5) -> dict:
     """Where a full step's time goes: the compiled step alone (loss read back) and the update
     alone (grad-norm read back), each waited for, medians of n."""
-    from lorac.runtime.optim import group_lrs
+    from lorac.runtime.train.optim import group_lrs
     step, update = [], []
     for i in range(n):
         t0 = time.perf_counter()

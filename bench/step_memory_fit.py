@@ -1,4 +1,4 @@
-"""How close `--checkpointing auto`'s memory estimate (runtime/step_memory.py) comes to the
+"""How close `--checkpointing auto`'s memory estimate (runtime/train/memory.py) comes to the
 static plans the CUDA compiler makes, at the benchmark shapes (build machine, no GPU).
 
     .venv/bin/python bench/step_memory_fit.py CACHE CASE [CASE ...]
@@ -29,9 +29,9 @@ def fit(cache: str, case: str) -> dict:
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.loss import auto_chunk
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.optim import LoraPlusConfig
-    from lorac.runtime.step_memory import plan_bytes
+    from lorac.runtime.engine.tvm import Engine
+    from lorac.runtime.train.optim import LoraPlusConfig
+    from lorac.runtime.train.memory import plan_bytes
 
     name, B, S, L, ckpt, keep, *chunk = case.split(":")
     B, S = int(B), int(S)

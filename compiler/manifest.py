@@ -31,7 +31,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lorac.core import atomic, integrity
+from lorac.core import atomic
+from lorac.core import integrity
 from lorac.core.artifact_cache import FORMAT, SEAL, publish, read_manifest, staging_dir, verify  # noqa: F401
 from lorac.core.artifact_cache import MANIFEST as FILE
 from lorac.core.errors import LoracError

@@ -12,7 +12,7 @@
     build    the target module's Relax passes (legalize, fuse, schedule, lower) and
              tvm.compile, then the target's export writes the library into the artifact.
 
-The target modules (target_*.py) share one small interface: FAMILY, DEVICE,
+The target modules (targets/<family>) share one small interface: FAMILY, DEVICE,
 GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(mod),
 relax_passes(target), export(executable, art_dir, target) -> manifest fields; optional:
 pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu),
@@ -23,6 +23,7 @@ ARENA_PLAN (the planned tensors in one arena: memory_plan.py; cpu, aarch64, cuda
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import json
 import os
 import signal
@@ -46,9 +47,10 @@ from .units import anchor_outputs, frontend_with, split_units
 
 
 def _families() -> tuple[str, ...]:
-    """The target families, one per target_<family>.py here (found by file name, so listing
-    them imports no target module and no TVM), in lorac's listing order (core/constants.py)."""
-    found = {p.stem[len("target_"):] for p in Path(__file__).parent.glob("target_*.py")} - {"common"}
+    """The target families, one module or package per family in targets/ (found by name, so
+    listing them imports no target module and no TVM; names starting with "_" are shared
+    helpers), in lorac's listing order (core/constants.py)."""
+    found = {m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "targets")]) if not m.name.startswith("_")}
     return tuple(sorted(found, key=lambda f: (TARGET_ORDER.index(f) if f in TARGET_ORDER else len(TARGET_ORDER), f)))
 
 
@@ -76,7 +78,7 @@ def resolve_target(target) -> tuple[str, dict]:
 
 
 def target_module(family: str):
-    return importlib.import_module(f"lorac.compiler.target_{family}")
+    return importlib.import_module(f"lorac.compiler.targets.{family}")
 
 
 def _load_onnx(model) -> tuple[onnx.ModelProto, str]:
@@ -97,7 +99,7 @@ def _load_onnx(model) -> tuple[onnx.ModelProto, str]:
 
 def check_supported_ops(model: onnx.ModelProto, mapped: tuple = ()) -> None:
     """Reject up front, naming every op, what TVM's ONNX frontend cannot convert (`mapped`:
-    the lorac units this build converts itself, compiler/units.py)."""
+    the lorac units this build converts itself, compiler/units/__init__.py)."""
     from tvm.relax.frontend.onnx import onnx_frontend
 
     known = set(onnx_frontend._get_convert_map()) | set(mapped)
@@ -161,18 +163,18 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
     mod, units, unit_calls = import_onnx(proto, tmod, dtype)
     mod = tmod.prepare(mod)
     if dtype == "bfloat16":
-        from .precision import frozen_weights_to_bf16
+        from .passes.precision import frozen_weights_to_bf16
         mod = frozen_weights_to_bf16(mod)
     gemm = {"dispatched": 0, "left_to_tvm": []}
     if tmod.GEMM_LIBRARY:
-        from .gemm import dispatch_gemms
-        from .gemm_sum import fuse_gemm_sums
+        from .passes.gemm import dispatch_gemms
+        from .passes.gemm_sum import fuse_gemm_sums
         mod, n, left = dispatch_gemms(mod, "bfloat16" if dtype == "bfloat16" else "float32")
         mod, acc = fuse_gemm_sums(mod) if getattr(tmod, "ACCUMULATING_GEMMS", False) else (mod, [])
         gemm = {"dispatched": n, "left_to_tvm": left, "accumulating": acc}
         if dtype == "bfloat16":
-            from .gemm_output import narrow_gemm_outputs
-            from .residual_stream import RESIDUAL_KEY, narrow_residuals
+            from .passes.gemm_output import narrow_gemm_outputs
+            from .passes.residual_stream import RESIDUAL_KEY, narrow_residuals
             mod, gemm["bf16_outputs"] = narrow_gemm_outputs(mod)
             if {p.key: p.value for p in proto.metadata_props}.get(RESIDUAL_KEY) != "float32":
                 mod, gemm["bf16_residuals"], gemm["bf16_read_narrow"] = narrow_residuals(mod)
@@ -199,7 +201,7 @@ def build_passes(passes: list, plan: dict | None = None, arena: bool = False) ->
     import tvm
     from tvm import relax
 
-    from .legalize_cache import CachedLegalize
+    from .passes.legalize_cache import CachedLegalize
     from .memory_plan import ArenaPlan
 
     @tvm.transform.module_pass(opt_level=0, name="LoracRecordMemoryPlan")

@@ -20,7 +20,9 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import atomic, integrity, locks
+from . import atomic
+from . import integrity
+from . import locks
 from .errors import LoracError
 
 FORMAT = "lorac-artifact"

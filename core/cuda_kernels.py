@@ -2,8 +2,8 @@
 
 A CUDA library built by TVM 0.27 holds kernel *source* and asks that global callback for
 device code when it is loaded. Both stages hand it code compiled ahead by nvcc, keyed by the
-source's sha256: the runtime an artifact's fatbin (runtime/cuda_loader.py), tuning the
-fatbins of the candidates it builds and times (compiler/cuda_tune.py), which also gives a
+source's sha256: the runtime an artifact's fatbin (runtime/devices/cuda/loader.py), tuning the
+fatbins of the candidates it builds and times (compiler/targets/cuda/tune.py), which also gives a
 `compile_missing(source)` for sources TVM asks for before their round was compiled. Without
 one, an unknown source is an error: the runtime machine has neither NVRTC nor nvcc. Here so
 that the compiler and the runtime share one registry without importing each other; tvm_ffi

@@ -2,7 +2,7 @@
 
 The rule is PEFT's create_loraplus_optimizer: a tensor named `lora_B`, or any 1-D trainable,
 learns at lr_B = ratio * lr_A; 1-D tensors (norms, biases) take no weight decay. The runtime's
-numpy reference (runtime/optim.py) and the optimizer graph (graphs/optimizer.py) both ask
+numpy reference (runtime/train/optim.py) and the optimizer graph (graphs/optimizer.py) both ask
 these two functions, so they cannot disagree.
 """
 from __future__ import annotations

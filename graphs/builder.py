@@ -124,7 +124,7 @@ class GraphBuilder:
     def add_all(self, *xs):
         """x1 + x2 + ... as a chain of Adds (TVM's frontend turns ONNX Sum into stack + sum,
         a copy of every term; a chain fuses, and one over GEMM results becomes a single
-        accumulating GEMM: compiler/gemm_sum.py)."""
+        accumulating GEMM: compiler/passes/gemm_sum.py)."""
         out = xs[0]
         for x in xs[1:]:
             out = self.op("Add", out, x)

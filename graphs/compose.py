@@ -81,7 +81,7 @@ RESIDUAL_KEY = "lorac.residual_dtype"  # graph metadata: "float32" where the str
 
 def _metadata(fam) -> dict:
     """What the compiler may not infer from the ops: a family whose reference keeps the
-    residual stream in fp32 in bf16 models (compiler/residual_stream.py)."""
+    residual stream in fp32 in bf16 models (compiler/passes/residual_stream.py)."""
     return {RESIDUAL_KEY: "float32"} if fam.RESIDUAL_IN_FP32 else {}
 
 

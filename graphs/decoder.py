@@ -190,7 +190,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     dh1 = [proj_back(d, h1, t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
     if not need_dx:
         return None
-    dh1 = g.add_all(*dh1)  # one accumulating GEMM chain on GPUs (compiler/gemm_sum.py)
+    dh1 = g.add_all(*dh1)  # one accumulating GEMM chain on GPUs (compiler/passes/gemm_sum.py)
     return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s.n1))
 
 
@@ -211,7 +211,7 @@ def describe(spec: ModelSpec, train: TrainSpec, kind: str) -> str:
 
 def activation_bytes(spec, itemsize: int, lean_extra: int = 0, full_extra: int = 0, backward_extra: int = 0):
     """Bytes a token that one trained layer of the compiled step keeps for its backward, with
-    attention on cuDNN's fused unit (runtime/step_memory.py, measured on compiled CUDA plans):
+    attention on cuDNN's fused unit (runtime/train/memory.py, measured on compiled CUDA plans):
     (full: no checkpointing, lean: a kept layer under checkpointing (Saved), recomputed: its
     input and the per-token statistics beside it, backward: the gradients its backward holds
     beside the full set). Lean: the input, q, k, v, the attention output, the mid-layer

@@ -34,7 +34,7 @@ from .spec import TrainSpec
 # point (docs/MAMBA.md); what targets that inline the scan units run
 DEFAULT_CHUNK = 4
 # what the runtime picks per device when the user names no length. The CPU and CUDA run the
-# scan on lorac's kernels (compiler/scan_kernels.py), where L is only how often the forward
+# scan on lorac's kernels (compiler/units/scan_kernels.py), where L is only how often the forward
 # saves the state (hs: B x S/L x I x M) and how many steps the backward recomputes at a
 # time (L x M values per channel in local memory). CPU: 64 was ~10 % faster than 32 for the
 # whole 130M step at 4x256 (4.8-5.0 against 5.1-6.0 s, alternating runs; docs/BENCHMARKS.md);

@@ -18,7 +18,7 @@ SWIGLU_GRAD_ACT = "SwiGLUGradAct"  # (da, gate, up) -> (dgate, dup, silu(gate) *
 def swiglu_backward(g, da, gate, up, with_act: bool = False):
     """(dgate, dup), with `with_act` also a = silu(gate) * up (down_proj's input, which a lean
     layer recomputes instead of keeping: graphs/decoder.py). A unit: on CUDA bf16 one kernel
-    reads da, gate and up once and writes all its results (compiler/swiglu_units.py), where
+    reads da, gate and up once and writes all its results (compiler/units/swiglu.py), where
     inlined each result is a kernel of its own that reads them again."""
     name = SWIGLU_GRAD_ACT if with_act else SWIGLU_GRAD
     return g.call(name, g.np_float.name, [da, gate, up], 3 if with_act else 2,

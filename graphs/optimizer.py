@@ -7,7 +7,7 @@ Outputs per bucket k: k.param.new, k.m.new, k.v.new
 
 Learning rates and the 1-based step count are inputs, so a schedule never recompiles;
 betas, eps, weight decay and max_grad_norm are baked in as constants. The math is the
-numpy reference's (lorac.runtime.optim, the test oracle; both take the LoRA+ group rule
+numpy reference's (lorac.runtime.train.optim, the test oracle; both take the LoRA+ group rule
 from lorac.core.loraplus):
     norm = sqrt(sum_n sum(g_n^2));  ok = norm is finite
     c    = min(1, max_grad_norm / (norm + 1e-6))          (c = 1 without clipping)
@@ -20,7 +20,7 @@ skipped case returns the inputs bit for bit. The caller must not advance `step` 
 Ops: Mul, Add, Sub, Div, Neg, Sqrt, Exp, Log, Equal, Less, Min, ReduceSum, Reshape, IsNaN, IsInf, Or, Not, Where,
 Cast, Identity: default domain only, all in TVM 0.27's ONNX frontend map. Each bucket's
 update is a unit (AdamWStep, a local function of those ops): a compiler may run it as one
-kernel that updates p, m and v in place (CUDA: compiler/adamw_units.py). Reductions keep
+kernel that updates p, m and v in place (CUDA: compiler/units/adamw.py). Reductions keep
 dims and end at shape [1] (DLight's GPU reduction rule crashed on a 0-d result with a fused
 epilogue, see NOTES); the scalar outputs are reshaped to [] at the very end.
 """
@@ -132,7 +132,7 @@ def build_optimizer_graph(shapes: dict[str, tuple[int, ...]], cfg) -> onnx.Model
     return g.finish(doc, data_prop=False)  # flat vectors: builder.finish says why
 
 
-ADAMW_STEP = "AdamWStep"  # a unit: CUDA updates p, m, v in place (compiler/adamw_units.py)
+ADAMW_STEP = "AdamWStep"  # a unit: CUDA updates p, m, v in place (compiler/units/adamw.py)
 
 
 def _adamw_body(g, p, m, v, grad, c, ok, lr, bc1, bc2, b1, one_b1, b2, one_b2, eps, wd):

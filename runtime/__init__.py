@@ -9,6 +9,6 @@ import os
 
 os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
-from .artifact import load_artifact  # noqa: E402
+from .engine.artifact import load_artifact  # noqa: E402
 
 __all__ = ["load_artifact"]

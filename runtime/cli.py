@@ -17,9 +17,9 @@ from lorac.core.settings import help_of
 
 from . import devices
 from .errors import LoracError
-from .export_onnx import GRAPHS
+from .export.onnx import GRAPHS
 from .files import respect_umask
-from .train import TrainConfig
+from .train.run import TrainConfig
 
 # the spellings of TRL's SFTConfig / transformers' TrainingArguments and PEFT's LoraConfig, as
 # aliases (any flag may also be written with underscores: --learning_rate)
@@ -109,7 +109,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     elif isinstance(values.get("lora_targets"), list):
         values["lora_targets"] = tuple(values["lora_targets"])
     if per_device and isinstance(values.get("batch"), int):  # TRL's meaning: rows per worker
-        from .distributed import requested_workers
+        from .dist import requested_workers
         values["batch"] *= requested_workers(values.get("gpus", 0))
     return TrainConfig(**values)
 
@@ -141,11 +141,11 @@ def _check_types(values: dict, where: str) -> None:
 def cmd_train(args) -> int:
     import signal
 
-    from . import distributed
-    from .train import train
+    from . import dist as distributed
+    from .train.run import train
     cfg = train_config(args)
     if cfg.gpus > 1 and not distributed.under_mpi() and not cfg.compile_only:
-        from .launch import launch  # --gpus N: start N workers through mpiexec, each runs this command
+        from .dist.launch import launch  # --gpus N: start N workers through mpiexec, each runs this command
         return launch(cfg, args.argv)
     summary = train(cfg)
     if distributed.current().main:  # data parallel: rank 0 speaks for the run
@@ -159,9 +159,9 @@ def _engine_from_checkpoint(args):
     """(engine, tokenizer, LoRA, model source) for eval/generate: a checkpoint's model and LoRA, or the base model."""
     from lorac.graphs import ModelSpec, TrainSpec
 
-    from .checkpoint import load_checkpoint
-    from .engine import make_engine
-    from .model_source import resolve_model
+    from .train.checkpoint import load_checkpoint
+    from .engine.tvm import make_engine
+    from .model.source import resolve_model
     TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers).check_backend()
     lora, tcfg = None, {}
     if args.checkpoint:
@@ -176,7 +176,7 @@ def _engine_from_checkpoint(args):
     if getattr(args, "window", None):
         limits.check_context(args.window, config, "--window")
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
-    from .train import resolve_packing
+    from .train.run import resolve_packing
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
                       lora_targets=tuple(_saved_targets(tcfg) or spec.targets), rank=tcfg.get("rank", 1),
                       alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers,
@@ -218,8 +218,8 @@ def cmd_generate(args) -> int:
 
 def cmd_export(args) -> int:
     from . import export
-    from .checkpoint import load_checkpoint
-    from .model_source import resolve_model
+    from .train.checkpoint import load_checkpoint
+    from .model.source import resolve_model
     if args.format == "onnx":
         return _export_onnx(args)
     if not args.checkpoint:
@@ -231,7 +231,7 @@ def cmd_export(args) -> int:
     source = resolve_model(args.model or tcfg.get("model"))
     if args.dtype == "q8_0" and args.format != "gguf-merged":
         raise LoracError("--dtype q8_0 is for --format gguf-merged")
-    from .export_output import check_destination
+    from .export.output import check_destination
     check_destination(args.out, [source.path, ck.path, args.checkpoint])  # never over what it reads
     if args.format == "peft":
         path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
@@ -240,12 +240,12 @@ def cmd_export(args) -> int:
     elif args.format == "merged" and source.path.is_dir():
         path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, dtype=args.dtype)
     elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory
-        from .gguf_model import float_dtype
+        from .model.gguf import float_dtype
         config, weights, tok = source.load()
         path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora,
                                             tokenizer=tok, dtype=args.dtype or float_dtype(source.path))
     elif args.format == "gguf-merged":
-        from .export_gguf_merged import export_gguf_merged
+        from .export.gguf_merged import export_gguf_merged
         qtype = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "q8_0": "Q8_0"}[args.dtype or "float16"]
         path = export_gguf_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, qtype=qtype)
     else:
@@ -259,9 +259,9 @@ def _export_onnx(args) -> int:
     """The training/eval/forward graph of --checkpoint's run, or of --model with the given settings."""
     from lorac.graphs import ModelSpec, TrainSpec
 
-    from .checkpoint import load_checkpoint
-    from .export_onnx import export_onnx
-    from .model_source import resolve_model
+    from .train.checkpoint import load_checkpoint
+    from .export.onnx import export_onnx
+    from .model.source import resolve_model
     tcfg = load_checkpoint(args.checkpoint).state.get("train_config", {}) if args.checkpoint else {}
     config = resolve_model(args.model or tcfg.get("model")).config()
     spec = ModelSpec.from_hf_config(config)
@@ -429,7 +429,7 @@ def console() -> None:
     eagerly whenever it is installed (~2 s added to every command in an environment that
     has it, e.g. one with the test extra); the command's own process keeps it out."""
     sys.modules.setdefault("torch", None)
-    from .distributed import exit_code
+    from .dist import exit_code
     sys.exit(exit_code(main()))  # a failed data-parallel worker ends the whole job
 
 

@@ -56,7 +56,7 @@ def assert_outputs_close(got: dict, want: dict, rel: float) -> None:
 def count_matmuls(model: onnx.ModelProto, units_inlined: bool = True) -> int:
     """MatMul nodes the build sees: the graph's own, plus, when the build inlines the units
     (every target but CUDA bf16, which maps them to cuDNN), those of the inlined bodies
-    after the backward's reuse of its forward (compiler/units.py)."""
+    after the backward's reuse of its forward (compiler/units/__init__.py)."""
     if units_inlined:
         from lorac.compiler.units import split_units
         model, _ = split_units(model, native={})
@@ -68,9 +68,9 @@ def cuda_plan(model, dtype: str, cuda_graph: bool = False) -> dict:
     memory plan and its arena, CUDA graphs if asked) without codegen; -> the recorded plan. Raises if a
     kernel is left unscheduled."""
     import tvm
-    from lorac.compiler import target_cuda
+    from lorac.compiler.targets import cuda as target_cuda
     from lorac.compiler.pipeline import bind_all_inputs, build_passes, lower_to_relax
-    from lorac.compiler.target_cuda import pass_config, relax_passes, tvm_target
+    from lorac.compiler.targets.cuda import pass_config, relax_passes, tvm_target
 
     mod, _, _, _ = lower_to_relax(model, target_cuda, dtype)
     request = {"kind": "cuda", "cuda_graph": cuda_graph}

@@ -73,7 +73,7 @@ def hf_dir_loading(tmp_path, cfg: dict, B=2, S=5):
     graph, transformers' loss."""
     import torch
 
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.model.weights import load_model
     model, _ = save_hf(cfg, tmp_path / "m")
     config, weights = load_model(tmp_path / "m")
     ref = hf_weights(model)
@@ -111,7 +111,7 @@ def write_gguf(path, arch: str, weights: dict, meta: dict, transform=None):
 def gguf_loading(tmp_path, arch: str, weights: dict, config: dict, meta: dict, transform=None) -> dict:
     """load_gguf of a synthetic file of these weights gives them back under HF names and a
     config whose spec is the HF config's; -> the loaded config."""
-    from lorac.runtime.gguf_model import load_gguf
+    from lorac.runtime.model.gguf import load_gguf
     write_gguf(tmp_path / "m.gguf", arch, weights, meta, transform)
     got_config, got = load_gguf(tmp_path / "m.gguf")
     assert set(got) == set(weights)

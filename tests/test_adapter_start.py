@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.train import TrainConfig, train
+from lorac.runtime.train.run import TrainConfig, train
 from tiny_model import make_model_dir
 
 pytest.importorskip("tvm")
@@ -44,7 +44,7 @@ def test_training_starts_from_the_adapter(setup):
                       sample_tokens=0, cache_dir=str(d / "cache"), rank=16, lora_targets=("o_proj",))
     summary = train(cfg, log=lambda m: None)
     from lorac.runtime.data import load_dataset
-    from lorac.runtime.tokenizer import load_tokenizer
+    from lorac.runtime.model.tokenizer import load_tokenizer
     tok = load_tokenizer(d / "model")
     batch = next(load_dataset(d / "data.txt", tok, 32, 1000, eval_path=d / "eval.txt").eval_batches(1))
     with torch.no_grad():
@@ -59,7 +59,7 @@ def test_training_starts_from_the_adapter(setup):
 
 def test_refusals(setup, tmp_path):
     from lorac.graphs import ModelSpec
-    from lorac.runtime.adapter_in import read_adapter
+    from lorac.runtime.model.adapter_in import read_adapter
     from safetensors.numpy import load_file, save_file
     d, _ = setup
     spec = ModelSpec.from_hf_config(json.loads((d / "model" / "config.json").read_text()))

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from _compiler_graphs import assert_outputs_close, random_inputs, saved_training_graph
-from lorac.core import artifact_cache, integrity
-from lorac.runtime.artifact import load_artifact
+from lorac.core import artifact_cache
+from lorac.core import integrity
+from lorac.runtime.engine.artifact import load_artifact
 from lorac.runtime.errors import LoracError
 
 pytest.importorskip("tvm")
@@ -126,7 +127,7 @@ def test_damaged_entry_is_refused_in_one_line(built, tmp_path, case):
 
 @pytest.mark.parametrize("case", ["truncated library", "swapped input names", "broken manifest"])
 def test_damaged_cache_entry_is_rebuilt(built, tmp_path, case):
-    from lorac.runtime.engine import compiled
+    from lorac.runtime.engine.tvm import compiled
     model, art = built
     cache = tmp_path / "cache"
     entry = Path(shutil.copytree(art, cache / ENTRY))
@@ -140,7 +141,7 @@ def test_damaged_cache_entry_is_rebuilt(built, tmp_path, case):
 
 
 def test_a_good_entry_is_used_as_is(built, tmp_path):
-    from lorac.runtime.engine import compiled
+    from lorac.runtime.engine.tvm import compiled
     _, art = built
     entry = Path(shutil.copytree(art, tmp_path / "cache" / ENTRY))
     before = (entry / "lib.so").stat().st_mtime_ns
@@ -153,7 +154,7 @@ BUILDER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from _compiler_graphs import small_training_graph
-    from lorac.runtime.engine import compiled
+    from lorac.runtime.engine.tvm import compiled
     compiled(small_training_graph, {key!r}, "train", "cpu", "float32", sys.argv[1], lambda m: print(m, flush=True))
 """)
 

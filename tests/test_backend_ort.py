@@ -1,4 +1,4 @@
-"""The onnxruntime backend (runtime/engine_ort.py, `lorac train --backend ort`) on the CPU
+"""The onnxruntime backend (runtime/engine/ort.py, `lorac train --backend ort`) on the CPU
 provider: its loss sequence equals the TVM backend's to 1e-5 over 10 steps, checkpoints
 resume across backends both ways, it runs without TVM and torch, and its engine agrees
 with the TVM engine call by call (gradient accumulation's host path included)."""
@@ -79,10 +79,10 @@ def test_ort_backend_needs_neither_tvm_nor_torch(workdir):
 def test_ort_engine_agrees_with_the_tvm_engine(workdir):
     """eval, step, host-summed gradients (--grad-accum's path) into update, logits, state."""
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.engine import make_engine
-    from lorac.runtime.optim import LoraPlusConfig
-    from lorac.runtime.train import init_lora
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.engine.tvm import make_engine
+    from lorac.runtime.train.optim import LoraPlusConfig
+    from lorac.runtime.train.run import init_lora
+    from lorac.runtime.model.weights import load_model
 
     cfg, weights = load_model(workdir / "model")
     spec = ModelSpec.from_hf_config(cfg)
@@ -114,9 +114,9 @@ def test_ort_engine_agrees_with_the_tvm_engine(workdir):
 
 
 def test_providers_and_settings_are_checked_in_one_line():
-    from lorac.runtime.engine_ort import resolve_providers
+    from lorac.runtime.engine.ort import resolve_providers
     from lorac.runtime.errors import LoracError
-    from lorac.runtime.train import TrainConfig
+    from lorac.runtime.train.run import TrainConfig
 
     have = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert resolve_providers("cuda, CPU", have) == have

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-import lorac.runtime.chat_template as ct
+import lorac.runtime.model.chat_template as ct
 from lorac.runtime.errors import LoracError
 
 jinja2 = pytest.importorskip("jinja2")
@@ -71,7 +71,7 @@ def test_data_loader_names_the_record_whose_template_failed(tmp_path):
     import json
     from tokenizers import Tokenizer as Backend, models
     from lorac.runtime.data import load_dataset
-    from lorac.runtime.tokenizer import Tokenizer
+    from lorac.runtime.model.tokenizer import Tokenizer
     backend = Backend(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
     tok = Tokenizer(backend, eos_id=1, chat_template="{{ messages[0]['content'] * 3000000000 }}", source="m")
     path = tmp_path / "chat.jsonl"

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorac.runtime.checkpoint import (FORMAT, config_hash, load_checkpoint, rng_from_state, rng_state,
-                                      save_checkpoint)
+from lorac.runtime.train.checkpoint import FORMAT, config_hash, load_checkpoint, rng_from_state, rng_state, save_checkpoint
 from lorac.runtime.errors import LoracError
 from lorac.core.integrity import seal
 

@@ -85,7 +85,7 @@ def test_progress_bar_tensorboard_and_plot(tmp_path):
 
 
 def test_loss_plot_draws_every_series(tmp_path):
-    from lorac.runtime.plot import plot_metrics
+    from lorac.runtime.train.plot import plot_metrics
     from matplotlib.image import imread
     recs = [{"step": 0, "eval_loss": 3.0}] + [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-4 * min(1, s / 3)}
                                               for s in range(1, 11)] + [{"step": 10, "eval_loss": 2.2}]

@@ -14,7 +14,7 @@ import pytest
 
 from _compiler_graphs import count_matmuls, assert_outputs_close, random_inputs, saved_training_graph, small_training_graph
 from lorac.compiler import compile_graph
-from lorac.runtime.artifact import load_artifact
+from lorac.runtime.engine.artifact import load_artifact
 from lorac.runtime.errors import LoracError
 
 
@@ -177,7 +177,7 @@ import sys
 sys.modules["torch"] = None          # as on a machine without torch
 import numpy as np, tvm
 assert not hasattr(tvm, "relax"), "compiler library was loaded"
-from lorac.runtime.artifact import load_artifact
+from lorac.runtime.engine.artifact import load_artifact
 step = load_artifact({str(art)!r}, device="cpu")
 out = step(dict(np.load({str(tmp_path / 'in.npz')!r})))
 np.savez({str(tmp_path / 'out.npz')!r}, **out)

@@ -1,4 +1,4 @@
-"""GEMM dispatch (compiler/gemm.py): transposes fold into the GEMM call and are never emitted
+"""GEMM dispatch (compiler/passes/gemm.py): transposes fold into the GEMM call and are never emitted
 when only matmuls read them; a transpose that something else reads, or that a matmul left
 to TVM reads, stays; the numbers equal numpy's."""
 import numpy as np
@@ -45,8 +45,8 @@ def _count(mod, op_name):
 def test_folded_transposes_are_not_emitted_and_numbers_match():
     from tvm import relax
 
-    from lorac.compiler.gemm import dispatch_gemms
-    from lorac.runtime import gemm as runtime_gemm
+    from lorac.compiler.passes.gemm import dispatch_gemms
+    from lorac.runtime.engine import gemm as runtime_gemm
 
     mod, n, left = dispatch_gemms(_module())
     assert n == 3 and len(left) == 1 and "int32" in left[0]
@@ -73,12 +73,12 @@ def test_blas_info_names_the_kernel_family_openblas_runs():
     import subprocess
     import sys
 
-    from lorac.runtime.gemm_cpu import _openblas_libs, blas_info
+    from lorac.runtime.devices.cpu.gemm import _openblas_libs, blas_info
 
     if not _openblas_libs():
         assert blas_info().startswith("not OpenBLAS")
         pytest.skip("numpy here does not use OpenBLAS")
-    code = "from lorac.runtime.gemm_cpu import blas_info; print(blas_info())"
+    code = "from lorac.runtime.devices.cpu.gemm import blas_info; print(blas_info())"
     forced = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPENBLAS_CORETYPE": "Haswell"},
                             capture_output=True, text=True, check=True).stdout
     assert "core=Haswell" in forced and "(OPENBLAS_CORETYPE=Haswell)" in forced
@@ -88,14 +88,14 @@ def test_blas_info_names_the_kernel_family_openblas_runs():
 
 
 def test_sums_of_gemms_become_one_accumulating_call():
-    """compiler/gemm_sum.py: (x W^T + u B^T) + z Vᵀ folds into one lorac.gemm_acc_ call when
+    """compiler/passes/gemm_sum.py: (x W^T + u B^T) + z Vᵀ folds into one lorac.gemm_acc_ call when
     every GEMM result is read only by the sum; a GEMM read elsewhere too keeps its own call
     and its add; the numbers equal numpy's (the CPU path: first GEMM writes, others add)."""
     from tvm import relax
 
-    from lorac.compiler.gemm import dispatch_gemms
-    from lorac.compiler.gemm_sum import fuse_gemm_sums
-    from lorac.runtime import gemm as runtime_gemm
+    from lorac.compiler.passes.gemm import dispatch_gemms
+    from lorac.compiler.passes.gemm_sum import fuse_gemm_sums
+    from lorac.runtime.engine import gemm as runtime_gemm
 
     bb = relax.BlockBuilder()
     f32 = "float32"

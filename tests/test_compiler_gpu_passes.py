@@ -49,9 +49,9 @@ def test_bf16_keeps_recomputed_layers(make):
     # bf16 mode once merged common subexpressions, which folded each checkpointed layer's
     # recomputed forward back onto the original and kept every activation alive until the
     # backward (the 24-layer Mamba-130M plan at 8x1024 grew by 8 GB a layer and did not fit)
-    from lorac.compiler import target_cpu
+    from lorac.compiler.targets import cpu as target_cpu
     from lorac.compiler.pipeline import import_onnx
-    from lorac.compiler.precision import frozen_weights_to_bf16
+    from lorac.compiler.passes.precision import frozen_weights_to_bf16
 
     mod, _, _ = import_onnx(make(True), target_cpu, "float32")  # attention inlined, the scan its kernels
     before = _op_counts(mod)
@@ -148,10 +148,10 @@ def test_bf16_gemm_outputs_activations_in_bf16_weight_gradients_in_fp32():
     writing an fp32 copy); the LoRA weight gradients, summed over every token, stay fp32."""
     from tvm import relax
 
-    from lorac.compiler import target_cuda
-    from lorac.compiler.gemm_output import gemm_dims
+    from lorac.compiler.targets import cuda as target_cuda
+    from lorac.compiler.passes.gemm_output import gemm_dims
     from lorac.compiler.pipeline import lower_to_relax
-    from lorac.compiler.relax_rewrite import dataflow_blocks
+    from lorac.compiler.passes.rewrite import dataflow_blocks
 
     mod, _, _, gemm = lower_to_relax(_decoder(False), target_cuda, "bfloat16")
     seen = {"bfloat16": 0, "float32": 0}
@@ -206,9 +206,9 @@ def test_bf16_residual_stream_is_stored_in_bf16_and_the_gradient_stream_is_not(c
     builds narrow nothing."""
     from tvm import relax
 
-    from lorac.compiler import target_cuda
+    from lorac.compiler.targets import cuda as target_cuda
     from lorac.compiler.pipeline import lower_to_relax
-    from lorac.compiler.relax_rewrite import dataflow_blocks
+    from lorac.compiler.passes.rewrite import dataflow_blocks
 
     spec = ModelSpec.from_hf_config(config)
     from lorac.graphs.families import for_spec
@@ -234,7 +234,7 @@ def test_bf16_residual_stream_is_stored_in_bf16_and_the_gradient_stream_is_not(c
 def test_mamba_keeps_its_residual_stream_in_fp32():
     """HF Mamba keeps its residual in fp32 (residual_in_fp32): its graph says so and the bf16
     build narrows no residual sum."""
-    from lorac.compiler import target_cuda
+    from lorac.compiler.targets import cuda as target_cuda
     from lorac.compiler.pipeline import lower_to_relax
     from lorac.graphs.compose import RESIDUAL_KEY
 
@@ -250,9 +250,9 @@ def test_values_read_only_in_bf16_are_stored_in_bf16():
     no fp32 [tokens, hidden] copy of them stays alive; values with an fp32 reader are not."""
     from tvm import relax
 
-    from lorac.compiler import target_cuda
+    from lorac.compiler.targets import cuda as target_cuda
     from lorac.compiler.pipeline import lower_to_relax
-    from lorac.compiler.relax_rewrite import dataflow_blocks
+    from lorac.compiler.passes.rewrite import dataflow_blocks
     spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 2})
     model = build_training_graph(spec, TrainSpec(batch=2, seq=12, rank=4, lora_targets=tuple(ALL_TARGETS)))
     mod, _, _, gemm = lower_to_relax(model, target_cuda, "bfloat16")

@@ -185,7 +185,7 @@ def _fake_gemm_strided_batched(h, ta, tb, m, n, k, alpha, A, at, lda, sA, B, bt,
 @pytest.mark.parametrize("tb", [False, True])
 @pytest.mark.parametrize("batch_a,batch_b", [((), ()), ((2, 3), (2, 3)), ((2, 3), ())])
 def test_cublas_mapping(monkeypatch, ta, tb, batch_a, batch_b):
-    from lorac.runtime import gemm_cuda
+    from lorac.runtime.devices.cuda import gemm as gemm_cuda
     monkeypatch.setattr(gemm_cuda, "_fn", _fake_gemm_strided_batched)
     monkeypatch.setattr(gemm_cuda, "_handle", ctypes.c_void_p(1))
     monkeypatch.setattr(gemm_cuda, "_get_stream", lambda device_type, device_id: None)
@@ -210,7 +210,7 @@ def test_cuda_matches_cpu(graph, tmp_path, dtype):
 def assert_cuda_matches_cpu(graph, inputs: dict, tmp_path, dtype: str) -> None:
     """The CUDA artifact of `graph` against its CPU artifact on `inputs`: fp32 to 1e-4 of the
     largest value; bf16 the loss within 1e-2 and every gradient's cosine >= 0.999."""
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     want = load_artifact(compile_graph(graph, target="cpu", out_dir=tmp_path / "cpu"))(inputs)
     got = load_artifact(compile_graph(graph, target="cuda", out_dir=tmp_path / "cuda", dtype=dtype), "cuda")(inputs)
     for name, ref in want.items():

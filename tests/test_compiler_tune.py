@@ -11,9 +11,11 @@ import time
 import pytest
 
 from _compiler_graphs import assert_outputs_close, random_inputs, saved_training_graph
-from lorac.compiler import compile_graph, cpu_tune, tune
+from lorac.compiler import compile_graph
+from lorac.compiler.targets.cpu import tune as cpu_tune
+from lorac.compiler import tune
 from lorac.compiler.cli import compile_command
-from lorac.runtime.artifact import load_artifact
+from lorac.runtime.engine.artifact import load_artifact
 from lorac.runtime.errors import LoracError
 
 TRIALS = 16  # two kernels x 8 candidates: ~5 s of tuning on the 2-core box
@@ -129,9 +131,9 @@ def test_train_setting_reaches_the_training_steps_compile(tmp_path, monkeypatch)
     from tiny_model import make_model_dir
 
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime import engine as engine_mod
-    from lorac.runtime.optim import LoraPlusConfig
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.engine import tvm as engine_mod
+    from lorac.runtime.train.optim import LoraPlusConfig
+    from lorac.runtime.model.weights import load_model
 
     seen = {}
     monkeypatch.setattr(engine_mod, "compiled", lambda build, key, name, *a, **k: seen.setdefault(name, k["tune"]))

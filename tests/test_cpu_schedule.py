@@ -1,4 +1,4 @@
-"""CPU default schedules (compiler/cpu_schedule.py): long reductions get lane accumulators
+"""CPU default schedules (compiler/targets/cpu/schedule.py): long reductions get lane accumulators
 (an rfactor block), short ones stay a plain loop, and both give numpy's numbers."""
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ def _kernel(rows: int, cols: int, reduce):
 def test_reductions(reduce_name, cols, lanes):
     from tvm import te
 
-    from lorac.compiler.cpu_schedule import ParallelFallback
+    from lorac.compiler.targets.cpu.schedule import ParallelFallback
 
     target = tvm.target.Target({"kind": "llvm"})
     func = _kernel(37, cols, getattr(te, reduce_name))

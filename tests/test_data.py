@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, t
 
 from lorac.runtime.data import IGNORE, is_eval_doc, load_dataset, read_records
 from lorac.runtime.errors import LoracError
-from lorac.runtime.tokenizer import Tokenizer
+from lorac.runtime.model.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -250,7 +250,7 @@ def test_bad_records(tmp_path, tok):
 
 
 def test_bundled_corpus_is_small_and_valid(tok):
-    from lorac.runtime.default_model import default_corpus
+    from lorac.runtime.model.default import default_corpus
     train, ev = default_corpus()
     recs = [r for _, r in read_records(train)]
     evs = [r for _, r in read_records(ev)]
@@ -327,7 +327,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from tiny_model import char_tokenizer
 from lorac.runtime.data import load_dataset
-from lorac.runtime.tokenizer import Tokenizer
+from lorac.runtime.model.tokenizer import Tokenizer
 tok = Tokenizer(char_tokenizer(), eos_id=1)  # one token per character: the costliest case
 path = Path(sys.argv[1]) / "one.jsonl"
 path.write_text(json.dumps({{"prompt": "Q: ", "completion": "the quick brown fox jumps. " * 80000}}) + "\\n")
@@ -356,7 +356,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from tiny_model import char_tokenizer
 from lorac.runtime.data import load_dataset
-from lorac.runtime.tokenizer import Tokenizer
+from lorac.runtime.model.tokenizer import Tokenizer
 tok = Tokenizer(char_tokenizer(), eos_id=1)
 (Path(sys.argv[1]) / "c.txt").write_text("the cat sat\\n\\non the mat\\n")
 ds = load_dataset(Path(sys.argv[1]) / "c.txt", tok, 8, tok.vocab_size)

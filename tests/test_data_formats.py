@@ -9,7 +9,7 @@ import pytest
 
 from lorac.runtime.data import load_dataset
 from lorac.runtime.errors import LoracError
-from lorac.runtime.tokenizer import Tokenizer
+from lorac.runtime.model.tokenizer import Tokenizer
 from test_data import tok, write_jsonl  # noqa: F401 - tok is a fixture
 
 ALPACA = [{"instruction": "what is foo", "input": "the bar", "output": "foo is a kludge"},

@@ -11,7 +11,7 @@ pytest.importorskip("tvm")
 
 @pytest.mark.slow
 def test_default_run_lowers_eval_loss(tmp_path):
-    from lorac.runtime.default_model import default_gguf_path
+    from lorac.runtime.model.default import default_gguf_path
     try:
         default_gguf_path()
     except ValueError as e:

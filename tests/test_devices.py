@@ -39,7 +39,7 @@ def test_train_with_opencl_is_refused_up_front_in_one_line(capsys):
         assert len(err) == 1 and err[0].startswith("lorac: error: --target opencl: its artifacts need a TVM runtime "
                                                    "built with OpenCL (USE_OPENCL=ON)"), err
     # compile-only builds for it; aarch64 is refused on another CPU the same way
-    from lorac.runtime.train import TrainConfig
+    from lorac.runtime.train.run import TrainConfig
     TrainConfig(target="opencl", compile_only=True).validate()
     import platform
     if platform.machine() not in ("aarch64", "arm64"):
@@ -72,7 +72,7 @@ def test_gemm_registry_dispatches_on_the_output_device():
     tvm = pytest.importorskip("tvm")
     import tvm_ffi
 
-    from lorac.runtime import gemm
+    from lorac.runtime.engine import gemm
     gemm.register()
     gemm.register_accumulating(["lorac.gemm_acc_ntnn"])
     rng = np.random.default_rng(0)

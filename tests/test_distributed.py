@@ -31,7 +31,7 @@ STEPS = 4
 
 def _mpi_missing() -> str | None:
     try:
-        from lorac.runtime.launch import find_mpiexec, mpi_library
+        from lorac.runtime.dist.launch import find_mpiexec, mpi_library
         mpi_library()
         find_mpiexec()
     except Exception as e:  # noqa: BLE001 - the reason is the skip message
@@ -85,7 +85,7 @@ def _rel(x, y) -> float:
 def _assert_same_run(got: Path, ref: Path, steps) -> None:
     """Per-step train and eval losses and the final LoRA weights (L2 over the adapter) to 1e-6
     relative; each tensor to 1e-5 (module doc)."""
-    from lorac.runtime.checkpoint import load_checkpoint
+    from lorac.runtime.train.checkpoint import load_checkpoint
     a, b = _losses(got), _losses(ref)
     keys = [k for k in b if k[0] in steps]
     assert keys and all(k in a for k in keys)
@@ -154,7 +154,7 @@ def _one_line(err: str, rc: int, *needles) -> str:
 
 
 def _resumable(out: Path) -> None:
-    from lorac.runtime.checkpoint import load_checkpoint
+    from lorac.runtime.train.checkpoint import load_checkpoint
     assert 2 <= load_checkpoint(out / "checkpoints").step < 500  # whole and verified
 
 
@@ -195,8 +195,8 @@ def test_a_hung_worker_ends_the_run_at_the_timeout(work, tmp_path):
 def test_weighted_worker_gradients_sum_to_the_whole_batch_gradient(base):
     """The arithmetic of the all-reduce, in one process: the batch-4 step's loss and LoRA
     gradients against the two batch-2 steps of its halves, weighted by their counted tokens."""
-    from lorac.runtime.distributed import shard_rows
-    from lorac.runtime.train import Run, TrainConfig, init_lora
+    from lorac.runtime.dist import shard_rows
+    from lorac.runtime.train.run import Run, TrainConfig, init_lora
     kw = dict(model=str(base / "model"), data=str(base / "corpus.jsonl"), batch=4, seq=32,
               cache_dir=str(base / "cache"), lora_targets=("q_proj", "v_proj", "down_proj"))
     whole, halves = (Run(TrainConfig(**kw, gpus=g), log=lambda m: None) for g in (0, 2))
@@ -229,7 +229,7 @@ def test_weighted_worker_gradients_sum_to_the_whole_batch_gradient(base):
 
 def test_shards_weigh_their_counted_tokens():
     """Per-worker means weighted by shares sum to the whole batch's mean, with uneven masks."""
-    from lorac.runtime.distributed import shard_rows
+    from lorac.runtime.dist import shard_rows
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 50, (8, 16))
     labels[rng.random((8, 16)) < 0.5] = -100
@@ -254,13 +254,13 @@ def test_shards_weigh_their_counted_tokens():
 
 def test_gpus_without_mpi_or_uneven_batch_is_one_line(tmp_path):
     from lorac.runtime.cli import main
-    from lorac.runtime.train import TrainConfig
+    from lorac.runtime.train.run import TrainConfig
     from lorac.runtime.errors import LoracError
     with pytest.raises(LoracError, match="split evenly over --gpus 3"):
         TrainConfig(batch=4, gpus=3).validate()
     with pytest.raises(LoracError, match="--dist-timeout"):
         TrainConfig(dist_timeout=0).validate()
-    from lorac.runtime import distributed
+    from lorac.runtime import dist as distributed
     if not distributed.under_mpi():
         with pytest.raises(LoracError, match="not started by mpiexec"):
             distributed.setup(TrainConfig(gpus=2))
@@ -283,8 +283,8 @@ def test_trl_per_device_batch_counts_per_worker(tmp_path):
 def test_launcher_turns_mpi_failure_reports_into_one_line(tmp_path):
     """MPICH hydra's banner for a killed worker, as it prints it, becomes one line."""
     import io
-    from lorac.runtime.launch import Output, summary_line
-    from lorac.runtime.train import TrainConfig
+    from lorac.runtime.dist.launch import Output, summary_line
+    from lorac.runtime.train.run import TrainConfig
     banner = ["", "=" * 83, "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "=   PID 15952 RUNNING AT vm",
               "=   EXIT CODE: 9", "=   CLEANING UP REMAINING PROCESSES", "=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES",
               "=" * 83, "[mpiexec@vm] Exit codes: [vm] 0,9",

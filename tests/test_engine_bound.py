@@ -12,9 +12,9 @@ pytest.importorskip("tvm")
 
 def _run(engine_mod, model_dir, cache, bind: bool):
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.optim import LoraPlusConfig, group_lrs
-    from lorac.runtime.train import init_lora
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.train.optim import LoraPlusConfig, group_lrs
+    from lorac.runtime.train.run import init_lora
+    from lorac.runtime.model.weights import load_model
 
     cfg, weights = load_model(model_dir)
     spec = ModelSpec.from_hf_config(cfg)
@@ -41,7 +41,7 @@ def _run(engine_mod, model_dir, cache, bind: bool):
 
 
 def test_bound_training_artifact_matches_the_plain_engine(tmp_path, monkeypatch):
-    from lorac.runtime import engine
+    from lorac.runtime.engine import tvm as engine
 
     model_dir = make_model_dir(tmp_path / "model")
     plain = _run(engine, model_dir, tmp_path / "cache", bind=False)
@@ -65,7 +65,7 @@ def test_graph_key_tells_scan_chunks_apart():
     """TrainSpec.extra is out of TrainSpec's repr; the cache key must still see it (two scan
     chunk lengths once shared one cached Mamba artifact)."""
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.engine import graph_key
+    from lorac.runtime.engine.tvm import graph_key
 
     spec = ModelSpec.from_hf_config(dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=4,
                                          num_hidden_layers=2, expand=2, conv_kernel=4))

@@ -7,8 +7,7 @@ import pytest
 
 from lorac.runtime.errors import LoracError
 from lorac.graphs.families import llama
-from lorac.runtime.export import (export_gguf, export_merged, export_merged_weights, export_peft, llama_qk_permute,
-                                  lora_scale)
+from lorac.runtime.export import export_gguf, export_merged, export_merged_weights, export_peft, llama_qk_permute, lora_scale
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -189,7 +188,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
 
 def test_permutation_is_inverted_by_the_gguf_loader():
     """lorac's GGUF reader undoes llama.cpp's q/k order; export must redo exactly that."""
-    gguf_model = pytest.importorskip("lorac.runtime.gguf_model")
+    gguf_model = pytest.importorskip("lorac.runtime.model.gguf")
     b = np.random.default_rng(0).standard_normal((24, 3)).astype(np.float32)
     for heads in (1, 2, 3, 6):
         assert np.array_equal(gguf_model.unpermute_qk(llama_qk_permute(b, heads), heads), b)

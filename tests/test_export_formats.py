@@ -44,20 +44,20 @@ def merged_reference(weights, lora, alpha, r=2):
 
 @pytest.fixture(scope="module")
 def smollm():
-    from lorac.runtime.default_model import default_gguf_path
+    from lorac.runtime.model.default import default_gguf_path
     from lorac.runtime.errors import LoracError
     try:
         path = default_gguf_path()
     except LoracError as e:
         pytest.skip(str(e))
-    from lorac.runtime.model_source import resolve_model
+    from lorac.runtime.model.source import resolve_model
     return path, resolve_model(None).load()
 
 
 @pytest.mark.slow
 def test_merged_export_of_a_gguf_base_loads_in_transformers(smollm, tmp_path):
     from lorac.runtime.export import export_merged_weights
-    from lorac.runtime.gguf_model import float_dtype
+    from lorac.runtime.model.gguf import float_dtype
     path, (config, weights, tok) = smollm
     lora = random_lora(config, (0, 29), ("q_proj", "down_proj"))
     out = export_merged_weights(tmp_path / "merged", weights, config, lora, alpha=4.0, tokenizer=tok,
@@ -81,8 +81,8 @@ def test_merged_export_of_a_gguf_base_loads_in_transformers(smollm, tmp_path):
 
 
 def test_gguf_merged_on_a_quantized_llama_file(tmp_path):
-    from lorac.runtime.export_gguf_merged import export_gguf_merged
-    from lorac.runtime.gguf_model import load_gguf
+    from lorac.runtime.export.gguf_merged import export_gguf_merged
+    from lorac.runtime.model.gguf import load_gguf
     from test_gguf import hf_weights, write_gguf
     w = hf_weights("llama", np.random.default_rng(5), hidden=64, heads=4, kv=2, head_dim=16, ffn=64)
     base = tmp_path / "base.gguf"
@@ -105,7 +105,7 @@ def test_gguf_merged_on_a_quantized_llama_file(tmp_path):
 
 
 def test_gguf_merged_keeps_the_metadata_of_smollm(smollm, tmp_path):
-    from lorac.runtime.export_gguf_merged import export_gguf_merged
+    from lorac.runtime.export.gguf_merged import export_gguf_merged
     path, (config, _, _) = smollm
     out = export_gguf_merged(tmp_path / "m.gguf", path, random_lora(config, (2,), ("v_proj",)), alpha=4.0,
                              qtype="Q8_0")

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from lorac.graphs import ModelSpec, families
+from lorac.graphs import ModelSpec
+from lorac.graphs import families
 
 ROOT = Path(__file__).resolve().parents[1]
 

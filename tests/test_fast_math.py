@@ -1,4 +1,4 @@
-"""compiler/fast_math.py: the CPU targets' exp, sigmoid and softmax agree with numpy to fp32
+"""compiler/passes/fast_math.py: the CPU targets' exp, sigmoid and softmax agree with numpy to fp32
 rounding (~1e-6 relative at |x| = 30) over the range the graphs use, -inf included."""
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ tvm = pytest.importorskip("tvm")
 def test_fast_exp_sigmoid_softmax_match_numpy():
     from tvm import relax
 
-    from lorac.compiler.fast_math import fast_math
+    from lorac.compiler.passes.fast_math import fast_math
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((3, 64), "float32"))

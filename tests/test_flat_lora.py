@@ -18,11 +18,12 @@ def _run(model, feeds):
 
 @pytest.mark.parametrize("layers,chunk", [(2, 16), (3, 4)])
 def test_flat_graphs_equal_the_per_tensor_graphs(tmp_path, monkeypatch, layers, chunk):
-    from lorac.graphs import ModelSpec, TrainSpec, build_forward_graph, build_training_graph, flat_lora
+    from lorac.graphs import ModelSpec, TrainSpec, build_forward_graph, build_training_graph
+    from lorac.graphs import flat_lora
     from lorac.graphs.optimizer import buckets, pack, unpack
-    from lorac.runtime.engine import _lora_shape
-    from lorac.runtime.train import init_lora
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.engine.tvm import _lora_shape
+    from lorac.runtime.train.run import init_lora
+    from lorac.runtime.model.weights import load_model
 
     monkeypatch.setattr(flat_lora, "CHUNK", chunk)  # 3 layers x 7 targets = 21 per bucket: a tree of Concats
     cfg, weights = load_model(make_model_dir(tmp_path, layers=layers))
@@ -57,7 +58,7 @@ def test_flat_graphs_equal_the_per_tensor_graphs(tmp_path, monkeypatch, layers, 
 def test_a_graph_without_the_tensors_is_refused(tmp_path):
     from lorac.graphs import ModelSpec, TrainSpec, build_training_graph
     from lorac.graphs.flat_lora import flat_lora_io
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.model.weights import load_model
 
     cfg, _ = load_model(make_model_dir(tmp_path))
     spec = ModelSpec.from_hf_config(cfg)

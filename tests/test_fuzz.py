@@ -74,7 +74,7 @@ def odd_text(rng, n=40):
 # -- data files ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok():
-    from lorac.runtime.tokenizer import Tokenizer
+    from lorac.runtime.model.tokenizer import Tokenizer
     from tiny_model import CHATML, char_tokenizer
     return Tokenizer(char_tokenizer(string.printable + "éü"), eos_id=1, chat_template=CHATML, source="fuzz")
 
@@ -136,7 +136,7 @@ def _safetensors_bytes(header: dict, data: bytes) -> bytes:
 
 
 def test_fuzz_safetensors_headers(tmp_path):
-    from lorac.runtime.weights import load_safetensors
+    from lorac.runtime.model.weights import load_safetensors
     rng = np.random.default_rng(SEED)
     good = {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
             "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]}, "__metadata__": {"format": "pt"}}
@@ -181,7 +181,7 @@ def gguf_file(tmp_path_factory):
 
 
 def test_fuzz_gguf_headers(tmp_path, gguf_file):
-    from lorac.runtime.gguf_model import load_gguf
+    from lorac.runtime.model.gguf import load_gguf
     rng = np.random.default_rng(SEED)
     good = gguf_file.read_bytes()
     meta_end = min(len(good), 2048)  # magic, counts, key/values and tensor infos live up front
@@ -220,7 +220,7 @@ CONFIGS = {
 def test_fuzz_model_config():
     """In the order a model loads: weights checked against the config, then the specs."""
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.weights import check_weights, required_tensors
+    from lorac.runtime.model.weights import check_weights, required_tensors
     rng = np.random.default_rng(SEED)
     weights = {n: np.zeros(1, np.float32) for c in CONFIGS.values() for n in required_tensors(c)}
     seen = {"ok": 0, "error": 0}
@@ -261,7 +261,7 @@ def test_fuzz_toml_run_config(tmp_path):
     from dataclasses import fields
 
     from lorac.runtime.cli import build_parser, train_config
-    from lorac.runtime.train import TrainConfig
+    from lorac.runtime.train.run import TrainConfig
     rng = np.random.default_rng(SEED)
     keys = [f.name for f in fields(TrainConfig)] + ["stepz", "extra"]
     typed = {"int": [1, 3, 0, -2], "float": [1e-4, 0.5, -1.0], "bool": [True, False], "str": ["q_proj,v_proj", "0:1", "cpu"]}

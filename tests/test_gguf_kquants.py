@@ -10,8 +10,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
-from lorac.runtime import gguf_quant as gq  # noqa: E402
-from lorac.runtime.gguf_model import load_gguf  # noqa: E402
+from lorac.runtime.model import gguf_quant as gq  # noqa: E402
+from lorac.runtime.model.gguf import load_gguf  # noqa: E402
 from test_gguf import gguf_name, hf_weights, llama_cpp_permute, random_blocks, write_gguf  # noqa: E402
 
 SHAPE = dict(hidden=256, heads=4, kv=2, head_dim=64, ffn=512, vocab=64)

@@ -11,8 +11,8 @@ import pytest
 spm = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf")
 
-from lorac.runtime.default_model import default_corpus  # noqa: E402
-from lorac.runtime.tokenizer import load_tokenizer  # noqa: E402
+from lorac.runtime.model.default import default_corpus  # noqa: E402
+from lorac.runtime.model.tokenizer import load_tokenizer  # noqa: E402
 from test_gguf import TEXTS  # noqa: E402
 
 KIND = {"unknown": 2, "control": 3, "byte": 6, "unused": 5}

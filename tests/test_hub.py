@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.hub import pick_gguf
+from lorac.runtime.model.hub import pick_gguf
 
 
 def test_pick_gguf():
@@ -41,7 +41,7 @@ def cache_repo(cache, repo, files: dict, kind="models"):
 
 def resolve(cache, spec):
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    code = "import sys; from lorac.runtime.model_source import resolve_model; s = resolve_model(sys.argv[1]); print(s.path, s.name)"
+    code = "import sys; from lorac.runtime.model.source import resolve_model; s = resolve_model(sys.argv[1]); print(s.path, s.name)"
     return subprocess.run([sys.executable, "-c", code, spec], env=env, capture_output=True, text=True, timeout=120)
 
 

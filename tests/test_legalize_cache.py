@@ -1,4 +1,4 @@
-"""CachedLegalize (compiler/legalize_cache.py) legalizes each op signature once and gives the
+"""CachedLegalize (compiler/passes/legalize_cache.py) legalizes each op signature once and gives the
 same numbers as TVM's LegalizeOps alone, including calls that repeat an argument.
 
 What the cache saves is work, not PrimFuncs: the BlockBuilder merges structurally equal
@@ -32,7 +32,7 @@ def _module():
 def _run(mod, cached: bool, x, y):
     from tvm import relax
 
-    from lorac.compiler.legalize_cache import CachedLegalize
+    from lorac.compiler.passes.legalize_cache import CachedLegalize
 
     passes = ([CachedLegalize] if cached else []) + [relax.transform.LegalizeOps()]
     mod = tvm.transform.Sequential(passes)(mod)
@@ -59,7 +59,7 @@ def test_each_signature_is_legalized_once(monkeypatch):
     distinct [4, 6] tensors (3 calls), add, reshape to [6, 4] (2 calls), concat, sum."""
     from tvm import relax
 
-    from lorac.compiler.legalize_cache import CachedLegalize
+    from lorac.compiler.passes.legalize_cache import CachedLegalize
 
     legalized = []
     get_attr = tvm.ir.Op.get_attr

@@ -14,7 +14,7 @@ pytest.importorskip("tvm")
 
 def test_cpu_artifact_matches_onnxruntime(tmp_path):
     from lorac.compiler import compile_graph
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     cfg = dict(model_type="mamba", vocab_size=31, hidden_size=12, state_size=4, num_hidden_layers=2, expand=2,
                conv_kernel=4, tie_word_embeddings=True)
     spec = ModelSpec.from_hf_config(cfg)
@@ -39,7 +39,7 @@ def test_cpu_artifact_matches_pytorch(name, chunk, tmp_path):
     CPU default length)."""
     pytest.importorskip("transformers")
     from lorac.compiler import compile_graph
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     from mamba_oracles import hf_mamba
     from oracles import assert_grads_match, batch, hf_weights, random_lora, torch_reference
     from test_mamba_parity import CASES

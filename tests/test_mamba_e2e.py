@@ -47,7 +47,7 @@ def test_peft_and_merged_exports_match_lorac_logits(trained):
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
-    from lorac.runtime.checkpoint import load_checkpoint
+    from lorac.runtime.train.checkpoint import load_checkpoint
     d, _ = trained
     ids = np.random.default_rng(0).integers(0, 60, (1, 24)).astype(np.int64)
     full = load_checkpoint(d / "run" / "checkpoints").lora
@@ -94,7 +94,7 @@ def test_missing_mamba_tensor_is_named_at_load(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     from lorac.runtime.errors import LoracError
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.model.weights import load_model
     d = make_mamba_dir(tmp_path / "m")
     w = load_file(str(d / "model.safetensors"))
     del w["backbone.layers.1.mixer.A_log"]

@@ -1,4 +1,4 @@
-"""The step's memory plan (compiler/memory_plan.py, compiler/units.py): the arena's offsets
+"""The step's memory plan (compiler/memory_plan.py, compiler/units/__init__.py): the arena's offsets
 never overlap while two tensors live, the arena plans less than TVM's token pools with the
 same results, it composes with the CUDA-graph rewrite, and GEMMs are bound where the graph
 put them."""
@@ -48,8 +48,9 @@ def test_offsets_reuse_memory_across_lifetimes():
 
 
 def _compile(tmp_path, name, arena: bool, monkeypatch):
-    from lorac.compiler import compile_graph, target_cpu
-    from lorac.runtime.artifact import load_artifact
+    from lorac.compiler import compile_graph
+    from lorac.compiler.targets import cpu as target_cpu
+    from lorac.runtime.engine.artifact import load_artifact
 
     monkeypatch.setattr(target_cpu, "ARENA_PLAN", arena)
     monkeypatch.setenv("LORAC_ISOLATED_BUILD", "1")  # build in this process, with the patched target
@@ -70,9 +71,9 @@ def test_arena_plans_less_with_identical_results(tmp_path, monkeypatch):
 
 def _cuda_mod(arena: bool):
     """The CUDA Relax passes (no codegen, no GPU) of a bf16 checkpointed step with CUDA graphs."""
-    from lorac.compiler import target_cuda
+    from lorac.compiler.targets import cuda as target_cuda
     from lorac.compiler.pipeline import bind_all_inputs, build_passes, lower_to_relax
-    from lorac.compiler.target_cuda import pass_config, relax_passes, tvm_target
+    from lorac.compiler.targets.cuda import pass_config, relax_passes, tvm_target
     from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
 
     spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 3})
@@ -106,7 +107,7 @@ def test_gemms_are_bound_where_the_graph_puts_them():
     # the loss chunks' dh = dlogits E GEMMs (E the tied embedding) each right after their
     # chunk's logits GEMM, not all at the Concat that joins them (which kept every chunk's
     # dlogits alive together)
-    from lorac.compiler import target_cpu
+    from lorac.compiler.targets import cpu as target_cpu
     from lorac.compiler.pipeline import import_onnx
     from lorac.graphs import ModelSpec, TrainSpec, build_training_graph
     from tvm import relax
@@ -131,7 +132,7 @@ def test_gemms_are_bound_where_the_graph_puts_them():
 
 
 def test_memory_summary_adds_plan_weights_and_state():
-    from lorac.runtime.engine import memory_summary
+    from lorac.runtime.engine.tvm import memory_summary
 
     manifest = {"memory": {"static_plan_bytes": 3_000_000_000},
                 "inputs": [{"name": "input_ids", "shape": [2, 8], "dtype": "int64"},

@@ -1,4 +1,4 @@
-"""runtime/nccl.py without a GPU: its ctypes bindings against a stand-in libnccl built here
+"""runtime/dist/nccl.py without a GPU: its ctypes bindings against a stand-in libnccl built here
 from C with nccl.h's types (ncclUniqueId passed by value, size_t counts, enum values, the
 PreMulSum scalar read through its pointer), and its one-line errors for a missing, foreign or
 too old library. The stand-in's all-reduce over one rank is the pre-multiplied copy NCCL
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorac.runtime import nccl
+from lorac.runtime.dist import nccl
 from lorac.runtime.errors import LoracError
 
 STUB = r"""

@@ -5,8 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from lorac.runtime.optim import (LoraPlusConfig, adamw_step_reference, clip_by_global_norm, group_lrs,
-                                 group_of, init_state, lr_at)
+from lorac.runtime.train.optim import LoraPlusConfig, adamw_step_reference, clip_by_global_norm, group_lrs, group_of, init_state, lr_at
 
 P = "base_model.model.model.layers.{i}.{mod}.lora_{ab}.weight"
 
@@ -217,7 +216,7 @@ def test_feed_and_output_names_follow_the_graph():
                                                             warmup_steps=0, total_steps=10)],
                          ids=["clip-decay", "no-clip-no-decay"])
 def test_in_place_adamw_kernel_matches_reference(cfg):
-    """The AdamWStep unit mapped whole (compiler/adamw_units.py, its serial CPU form of the
+    """The AdamWStep unit mapped whole (compiler/units/adamw.py, its serial CPU form of the
     CUDA kernel): p, m and v are updated in place (the outputs are the inputs' memory), and
     six steps (clipped, unclipped, a NaN and an Inf step left bit for bit) match the reference."""
     pytest.importorskip("tvm")
@@ -228,7 +227,7 @@ def test_in_place_adamw_kernel_matches_reference(cfg):
         pytest.skip("TVM compiler library not available")
     import tvm
 
-    from lorac.compiler.adamw_units import converters
+    from lorac.compiler.units.adamw import converters
     from lorac.compiler.units import anchor_outputs, frontend_with, split_units
     from lorac.graphs.optimizer import build_optimizer_graph
     params = lora_tensors(np.random.default_rng(7), layers=1, d=8, ff=8, r=2)

@@ -293,7 +293,7 @@ def test_tvm_cpu_build_matches_onnxruntime(tmp_path):
     pytest.importorskip("tvm")
     from _compiler_graphs import assert_outputs_close, random_inputs
     from lorac.compiler import compile_graph
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     _, _, model = _small_packed()
     step = load_artifact(compile_graph(model, target="cpu", out_dir=tmp_path / "cpu"), device="cpu")
     assert step.manifest["units"] == []  # the CPU inlines every attention unit
@@ -473,7 +473,7 @@ def test_memory_bound_counts_the_inlined_scores_on_cuda():
 
 def test_auto_packing_by_family_and_target():
     """auto: isolated where the family has it, plain for Mamba and on cuda (no cuDNN path yet)."""
-    from lorac.runtime.train import resolve_packing
+    from lorac.runtime.train.run import resolve_packing
     qwen = ModelSpec.from_hf_config(CASES["qwen3-gqa3-odd"][0])
     mamba = ModelSpec.from_hf_config(dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=4,
                                           num_hidden_layers=2, expand=2, conv_kernel=4))

@@ -12,7 +12,7 @@ pytest.importorskip("tvm")
 
 
 def test_cpu_linker_lookup(monkeypatch, tmp_path):
-    from lorac.compiler.target_cpu import check_environment
+    from lorac.compiler.targets.cpu import check_environment
     for var in ("CC", "CXX"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler anywhere
@@ -32,7 +32,7 @@ def test_cpu_linker_lookup(monkeypatch, tmp_path):
 
 
 def test_no_directory_fsync_on_windows(monkeypatch, tmp_path):
-    from lorac.runtime import checkpoint
+    from lorac.runtime.train import checkpoint
     opened = []
     monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a) or (_ for _ in ()).throw(PermissionError(13, "dir")))
     monkeypatch.setattr(os, "name", "nt")

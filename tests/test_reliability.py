@@ -109,7 +109,7 @@ def test_exports_never_write_over_what_they_read(work, tmp_path, capsys, monkeyp
 
 
 def test_a_checkpoint_with_nan_lora_values_is_not_exported(work, tmp_path, capsys, monkeypatch):
-    from lorac.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from lorac.runtime.train.checkpoint import load_checkpoint, save_checkpoint
     ck = load_checkpoint(work / "ref" / "checkpoints")
     name = sorted(ck.lora)[0]
     ck.lora[name][0, 0] = np.nan
@@ -134,7 +134,7 @@ def test_sigterm_and_sighup_save_a_checkpoint_and_exit_nonzero(work, tmp_path, s
     assert p.returncode == 128 + sig, err[-2000:]
     assert json.loads(stdout)["stopped_by"] == signal.Signals(sig).name and "Traceback" not in err
     stopped = max(r["step"] for r in _records(out) if "loss" in r)
-    from lorac.runtime.checkpoint import load_checkpoint
+    from lorac.runtime.train.checkpoint import load_checkpoint
     assert load_checkpoint(out / "checkpoints").step == stopped < STEPS
     if sig == signal.SIGTERM:  # the checkpoint resumes into exactly the uninterrupted run
         r = _run(_train_args(work, out, STEPS, *SLOW, "--resume", str(out / "checkpoints")))
@@ -154,7 +154,7 @@ def test_resume_after_kill_9_logs_each_step_once(work, tmp_path):
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=60)
     logged = max(r["step"] for r in _records(out) if "loss" in r)
-    from lorac.runtime.checkpoint import load_checkpoint
+    from lorac.runtime.train.checkpoint import load_checkpoint
     assert load_checkpoint(out / "checkpoints").step < logged  # steps after the checkpoint were logged
     r = _run(args + ["--resume", str(out / "checkpoints")])
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""Mamba's selective scan on lorac's own TIR kernels (compiler/scan_kernels.py, mapped by
-compiler/scan_units.py). The CPU kernels, compiled through lorac.compiler like any graph,
+"""Mamba's selective scan on lorac's own TIR kernels (compiler/units/scan_kernels.py, mapped by
+compiler/units/scan.py). The CPU kernels, compiled through lorac.compiler like any graph,
 against: the units' ONNX bodies (the chunked graph path) run by onnxruntime; float64 central
 differences of the step-by-step recurrence; themselves in float64 (central differences of the
 compiled forward); bf16 inputs. Shapes with odd seq, seq not a multiple of the chunk, a
@@ -53,7 +53,7 @@ def _feeds(d: ScanDims, seed=0) -> dict:
 
 def _compiled(d: ScanDims, tmp_path, dtype=np.float32):
     from lorac.compiler import compile_graph
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     art = compile_graph(_scan_graph(d, dtype), target="cpu", out_dir=tmp_path / f"scan-{np.dtype(dtype).name}")
     assert json.loads((art / "manifest.json").read_text())["units"] == ["SelectiveScan", "SelectiveScanGrad"]
     step = load_artifact(art, "cpu")
@@ -118,7 +118,7 @@ def test_cpu_kernels_with_bf16_inputs():
     import ml_dtypes
     import tvm
 
-    from lorac.compiler import scan_kernels as sk
+    from lorac.compiler.units import scan_kernels as sk
 
     d = ScanDims(2, 37, 20, 16, 16)
     f = _feeds(d, seed=5)
@@ -150,7 +150,7 @@ def test_cpu_kernels_with_bf16_inputs():
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64, 128])
 def test_warp_butterfly_sums_every_value_once(n):
     """The CUDA backward's reduce-scatter of n values over a warp, on numpy lanes."""
-    from lorac.compiler.scan_kernels import WARP, butterfly
+    from lorac.compiler.units.scan_kernels import WARP, butterfly
 
     lanes = np.arange(WARP)
     vals = np.random.default_rng(n).standard_normal((n, WARP))  # value k as each lane holds it
@@ -220,7 +220,7 @@ def test_cuda_scan_kernels_match_cpu(B, S, I, M, L, tmp_path):
     """The CUDA kernels (fp32) against the CPU ones: channels not a multiple of the warp, state
     8 and 4 (fewer sums than lanes: the butterfly ends in an all-reduce) and 32 (more)."""
     from lorac.compiler import compile_graph
-    from lorac.runtime.artifact import load_artifact
+    from lorac.runtime.engine.artifact import load_artifact
     d = ScanDims(B, S, I, M, L)
     f = {k: v.astype(np.float32) for k, v in _feeds(d).items()}
     want = _compiled(d, tmp_path)(f)

@@ -1,4 +1,4 @@
-"""--checkpointing auto (runtime/step_memory.py): the memory estimate against the static plans
+"""--checkpointing auto (runtime/train/memory.py): the memory estimate against the static plans
 the CUDA compiler makes (its Relax passes, no GPU or nvcc needed), the choice of setting for
 a budget, and how the run resolves the setting (target, backend, budget, resume)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from lorac.graphs import ModelSpec, TrainSpec
 from lorac.graphs.families import for_spec
-from lorac.runtime import step_memory
+from lorac.runtime.train import memory as step_memory
 from lorac.runtime.errors import LoracError
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -40,8 +40,8 @@ def test_estimate_follows_the_compiled_plan(cfg, B, S, settings, tmp_path):
     pytest.importorskip("tvm")
     from _compiler_graphs import cuda_plan
 
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.optim import LoraPlusConfig
+    from lorac.runtime.engine.tvm import Engine
+    from lorac.runtime.train.optim import LoraPlusConfig
 
     plans, estimates = [], []
     for ckpt, keep in settings:
@@ -99,7 +99,7 @@ def test_budget_sources():
 # -- how a run resolves the setting ------------------------------------------------------
 def _resolve(monkeypatch, free=None, **cfg):
     from lorac.runtime import devices
-    from lorac.runtime.train import Run, TrainConfig
+    from lorac.runtime.train.run import Run, TrainConfig
 
     monkeypatch.setattr(devices.for_target("cuda"), "memory_free", lambda: free)
     spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
@@ -128,7 +128,7 @@ def test_run_resolves_auto(monkeypatch):
 
 
 def test_resume_adopts_the_checkpoints_setting(monkeypatch):
-    from lorac.runtime import checkpoint
+    from lorac.runtime.train import checkpoint
     for saved, want in ((True, ("on", 3)), ("on", ("on", 3)), (False, ("off", 0)), ("off", ("off", 0))):
         monkeypatch.setattr(checkpoint, "read_state", lambda _p, s=saved: {"train_config": {"checkpointing": s,
                                                                                             "keep_layers": 3}})
@@ -138,7 +138,7 @@ def test_resume_adopts_the_checkpoints_setting(monkeypatch):
 
 def test_flags_and_config_values():
     from lorac.runtime.cli import build_parser, train_config
-    from lorac.runtime.train import TrainConfig
+    from lorac.runtime.train.run import TrainConfig
 
     parse = lambda *a: train_config(build_parser().parse_args(["train", *a]))
     assert parse().checkpointing == "auto"

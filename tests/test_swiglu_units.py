@@ -1,4 +1,4 @@
-"""SwiGLU's backward units (graphs/mlp.py, compiler/swiglu_units.py): the kernel's math against
+"""SwiGLU's backward units (graphs/mlp.py, compiler/units/swiglu.py): the kernel's math against
 the graph's formulas, and a bf16 CUDA build reading gate/up once per layer's backward."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_kernel_math_matches_the_graph_formulas(with_act):
     """The unit's kernel (its serial CPU form, fp32) writes over its inputs, each element's
     inputs read before any result is stored: dgate = da up silu'(gate) into da, dup = da
     silu(gate) into up, act = silu(gate) up into gate (else gate is left as it was)."""
-    from lorac.compiler.swiglu_units import kernel
+    from lorac.compiler.units.swiglu import kernel
 
     n = 37
     rng = np.random.default_rng(0)
@@ -37,7 +37,7 @@ def test_kernel_math_matches_the_graph_formulas(with_act):
 
 
 def test_cuda_kernel_vectorizes_when_the_block_divides():
-    from lorac.compiler.swiglu_units import THREADS, kernel
+    from lorac.compiler.units.swiglu import THREADS, kernel
 
     assert "T.vectorized(4)" in kernel(4 * THREADS * 3, "bfloat16", True).script()
     odd = kernel(4 * THREADS * 3 + 1, "bfloat16", True).script()
@@ -51,7 +51,7 @@ def test_bf16_cuda_build_has_one_swiglu_backward_kernel_per_layer(ckpt):
     has no other kernel computing a sigmoid; elsewhere (fp32) the unit inlines."""
     from tvm import relax
 
-    from lorac.compiler import target_cuda
+    from lorac.compiler.targets import cuda as target_cuda
     from lorac.compiler.pipeline import lower_to_relax
 
     layers = 3
@@ -90,9 +90,9 @@ def test_nothing_reads_what_the_in_place_kernel_overwrites(config, ckpt, keep):
     binding after the call reads them (or a view of them) other than through its results."""
     from tvm import relax
 
-    from lorac.compiler import target_cuda
+    from lorac.compiler.targets import cuda as target_cuda
     from lorac.compiler.pipeline import lower_to_relax
-    from lorac.compiler.relax_rewrite import dataflow_blocks
+    from lorac.compiler.passes.rewrite import dataflow_blocks
     from lorac.graphs.families import for_spec
 
     spec = ModelSpec.from_hf_config(config)

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, processors, trainers
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.tokenizer import load_tokenizer
+from lorac.runtime.model.tokenizer import load_tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -77,7 +77,7 @@ def test_errors(tmp_path):
 def test_hf_dir_parity_with_transformers(tmp_path):
     """SmolLM2's tokenizer saved as an HF directory by transformers: same ids as AutoTokenizer."""
     transformers = pytest.importorskip("transformers")
-    from lorac.runtime.default_model import default_gguf_path
+    from lorac.runtime.model.default import default_gguf_path
     try:
         gguf_path = default_gguf_path()
     except LoracError:

@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from lorac.runtime import train as tr
-from lorac.runtime.distributed import Single
+from lorac.runtime.train import run as tr
+from lorac.runtime.dist import Single
 
 
 class _Engine:

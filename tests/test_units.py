@@ -1,4 +1,4 @@
-"""Units in the compiler (compiler/units.py): a target that does not map the attention units
+"""Units in the compiler (compiler/units/__init__.py): a target that does not map the attention units
 inlines them, and the inlined backward shares what its forward already computed (the masked
 scores, the transposed q/k/v) instead of recomputing it; the numbers do not change."""
 import numpy as np

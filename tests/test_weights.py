@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.weights import load_hf_dir, load_model, load_safetensors
+from lorac.runtime.model.weights import load_hf_dir, load_model, load_safetensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -93,8 +93,8 @@ def compiled_logits(model_dir: Path, cache: Path, lora: dict, ids):
     alpha 32) with the given LoRA tensors; tensors missing from `lora` are zero."""
     import numpy as np
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.engine import Engine
-    from lorac.runtime.weights import load_model
+    from lorac.runtime.engine.tvm import Engine
+    from lorac.runtime.model.weights import load_model
     cfg, weights = load_model(model_dir)
     spec = ModelSpec.from_hf_config(cfg)
     train = TrainSpec(batch=1, seq=ids.shape[1], lora_targets=tuple(spec.targets), rank=16, alpha=32.0)

@@ -1,7 +1,7 @@
 """The model families lorac trains: one module per family in this package, found by name.
 
 Everything that differs between families is asked of the family module; the rest of
-lorac (graphs/compose.py, runtime/weights.py, gguf_model.py, export.py, train.py) never
+lorac (graphs/compose.py, runtime/model/weights.py, gguf_model.py, export.py, train.py) never
 branches on a family name. Adding a family = one module here + its tests + a docs row.
 
 A family module defines (llama.py is the model to copy):
@@ -32,10 +32,10 @@ A family module defines (llama.py is the model to copy):
   CONTEXT_LIMITED    whether max_position_embeddings bounds --seq
   PACKING_ISOLATED   whether --packing isolated is implemented (its graph takes position_ids)
   RESIDUAL_IN_FP32   whether its reference keeps the residual stream in fp32 in bf16 models
-                     (the graph's metadata then tells the compiler: compiler/residual_stream.py)
+                     (the graph's metadata then tells the compiler: compiler/passes/residual_stream.py)
   activation_bytes(spec, itemsize) -> bytes a token a trained layer of the compiled step
                      keeps (full, lean, recomputed, backward), or None where its attention
-                     keeps score matrices (runtime/step_memory.py, --checkpointing auto)
+                     keeps score matrices (runtime/train/memory.py, --checkpointing auto)
 """
 from __future__ import annotations
 

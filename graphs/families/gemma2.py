@@ -35,7 +35,8 @@ from ..mlp import geglu_backward, geglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
 from ..rope import rope_backward, rope_forward
 from ..spec import ModelSpec, count_field, lora_name, number_field
-from . import llama, no_train_extra
+from . import no_train_extra
+from . import llama
 
 MODEL_TYPES = ("gemma2",)
 HF_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}
@@ -244,6 +245,6 @@ def gguf_export(config: dict):
 
 def activation_bytes(spec, itemsize: int):
     """None: soft-capped attention scores are not cuDNN's fused unit, so the step keeps score
-    matrices the memory model of runtime/step_memory.py leaves out."""
+    matrices the memory model of runtime/train/memory.py leaves out."""
     return None
 

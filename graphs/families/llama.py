@@ -4,13 +4,13 @@ on Qwen2 or with attention_bias). The layer itself is graphs/decoder.py, shared 
 HF names: model.embed_tokens, model.layers.N.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
 input_layernorm, post_attention_layernorm}, model.norm, lm_head (absent when tied).
 llama.cpp: architectures llama (Mistral 7B files too) and qwen2; its converter permutes
-the rows of q_proj/k_proj inside each head for llama (runtime/gguf_model.py).
+the rows of q_proj/k_proj inside each head for llama (runtime/model/gguf.py).
 """
 from __future__ import annotations
 
 from ..decoder import declare_weights, describe, embed, layer_backward, layer_forward, Ctx  # noqa: F401
 from ..decoder import lora_tensor_names  # noqa: F401
-from ..decoder import activation_bytes  # noqa: F401 - what a layer keeps (runtime/step_memory.py)
+from ..decoder import activation_bytes  # noqa: F401 - what a layer keeps (runtime/train/memory.py)
 from ..spec import ATTN_TARGETS, MLP_TARGETS, ModelSpec, count_field, first, lora_name, number_field, rope_theta
 from ..spec import weight_name as _weight_name
 from . import no_train_extra

@@ -66,7 +66,7 @@ def tensor_from_gguf(name: str, w, config: dict):
 
 
 def activation_bytes(spec, itemsize: int):
-    """Bytes a token a trained layer keeps (runtime/step_memory.py; measured on compiled CUDA
+    """Bytes a token a trained layer keeps (runtime/train/memory.py; measured on compiled CUDA
     plans): ~18 [T, I] values kept or not (no lean set), the fp32 residual input when
     recomputed, and the scan's gradients (8 [T, I]) in the backward."""
     full = 18 * spec.intermediate * itemsize

@@ -31,7 +31,8 @@ from ..mlp import swiglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
 from ..rope import rope_backward, rope_forward
 from ..spec import ModelSpec, count_field, number_field
-from . import llama, no_train_extra
+from . import no_train_extra
+from . import llama
 
 MODEL_TYPES = ("phi3",)
 HF_ARCHITECTURES = {"phi3": "Phi3ForCausalLM"}
@@ -216,7 +217,7 @@ def gguf_export(config: dict):
 
 def activation_bytes(spec, itemsize: int):
     """The decoder's, with the fused qkv and gate_up outputs kept beside their parts and
-    gate_up's gradient in the backward (runtime/step_memory.py)."""
+    gate_up's gradient in the backward (runtime/train/memory.py)."""
     I = spec.intermediate
     return _decoder_bytes(spec, itemsize, lean_extra=spec.hidden, full_extra=2 * I, backward_extra=2 * I)
 

@@ -10,7 +10,8 @@ from ..decoder import declare_weights, describe, embed, layer_backward, layer_fo
 from ..decoder import lora_tensor_names  # noqa: F401
 from ..decoder import activation_bytes  # noqa: F401 - what a layer keeps, q/k norms included
 from ..spec import ModelSpec, lora_name  # noqa: F401
-from . import llama, no_train_extra
+from . import no_train_extra
+from . import llama
 
 MODEL_TYPES = ("qwen3",)
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM"}

@@ -15,7 +15,7 @@ A device module holds:
                    make the TVM runtime able to run the artifact there (libraries,
                    kernels, library plans) and return the device, or raise LoracError
 optional:
-    gemm(ta, tb, a, b, out, accumulate=False)   its GEMM library (runtime/gemm.py)
+    gemm(ta, tb, a, b, out, accumulate=False)   its GEMM library (runtime/engine/gemm.py)
     memory_free() -> int | None                 bytes a step may use (runtime/limits.py)
     CAPTURES_GRAPHS    the training step may run as captured device graphs (CUDA graphs)
     ORT_PROVIDERS, ORT_MEMORY

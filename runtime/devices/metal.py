@@ -1,6 +1,6 @@
 """Apple GPUs: artifacts of target metal. The macOS arm64 apache-tvm wheel carries the
 Metal runtime (no other wheel does); TVM 0.27's Metal build crashes, so no metal artifact
-exists yet (compiler/target_metal.py)."""
+exists yet (compiler/targets/metal.py)."""
 from __future__ import annotations
 
 from ._tvm_runtime import interface

@@ -1,0 +1,101 @@
+"""The attention units on CUDA, mapped whole to cuDNN's fused SDPA (flash attention).
+
+    CausalAttention(q, k, v, scale)                 -> o, lse     lorac.attention_fwd(q, k, v, o, lse)
+    CausalAttentionGrad(q, k, v, o, do, lse, scale) -> dq, dk, dv  lorac.attention_bwd(q, k, v, o, do, lse, dq, dk, dv)
+
+q, do [B, S, H, Dh] and k, v [B, S, K, Dh] in the graph's token-major layout, which cuDNN
+reads through strides (no transposes); GQA is native (k, v keep their K heads); lse is
+cuDNN's "stats" [B, H, S, 1] in fp32. The softmax scale (a constant) and the shapes go to
+the manifest's `unit_calls`, one entry per distinct call. The runtime (lorac.runtime.devices.cuda.attention)
+registers the two functions: cuDNN plans built once per shape, executed on TVM's stream,
+so CUDA graphs capture them like the GEMMs.
+
+cuDNN's SDPA takes bf16/fp16 operands: q, k, v, o, do are narrowed to bf16 here (a cast
+that fuses into the kernel producing them, RoPE for q and k) and the fp32 results are
+widened back; softmax statistics and accumulation stay fp32 inside cuDNN. The narrowed
+copies are shared between a forward and its backward, so the backward reads the bf16
+tensors the forward kept instead of keeping fp32 ones alive and casting twice.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
+_BF16 = "bfloat16"
+
+
+class _Narrowing:
+    """bf16 versions of fp32 values, emitted once per value in one frontend run."""
+
+    def __init__(self):
+        self.narrow = {}  # fp32 var -> its bf16 cast
+        self.source = {}  # fp32 var (a widened unit output) -> the bf16 original
+
+    def __call__(self, bb, x):
+        if x.ty.dtype == _BF16:
+            return x
+        hit = self.source.get(x)
+        if hit is None:
+            hit = self.narrow.get(x)
+        if hit is None:
+            hit = self.narrow[x] = bb.emit(relax.op.astype(x, _BF16))
+        return hit
+
+    def widen(self, bb, x):
+        wide = bb.emit(relax.op.astype(x, "float32"))
+        self.source[wide] = x
+        return wide
+
+
+def _shape(x) -> list[int]:
+    return [int(d) for d in x.ty.shape.values]
+
+
+def _scale(x) -> float:
+    """The value of the softmax scale input (a folded scalar constant)."""
+    if not isinstance(x, tvm.ir.expr.Constant):
+        raise ValueError("attention unit: the softmax scale must be a constant")
+    return float(x.value.numpy())
+
+
+def converters() -> dict:
+    """Converter classes for the frontend (compiler.units.frontend_with), with one
+    narrowing cache for the whole graph. Each class's `calls` lists the shapes it
+    converted (manifest `unit_calls`: the runtime builds their cuDNN plans at load time,
+    before a CUDA graph captures the step)."""
+    from ...units import unit_converter
+
+    cache = _Narrowing()
+    calls: list = []
+
+    def record(fn, q, k, scale):
+        """Note the call; the scale travels in the manifest, not as an argument (a float
+        argument costs a host-side function per call in TVM's VM)."""
+        B, S, H, Dh = _shape(q)
+        call = {"function": fn, "B": B, "S": S, "H": H, "K": _shape(k)[2], "Dh": Dh, "scale": scale}
+        same_shape = [c for c in calls if {**c, "scale": scale} == call]
+        if same_shape and same_shape[0]["scale"] != scale:
+            raise ValueError(f"attention calls of one shape with two softmax scales: {call}")
+        if not same_shape:
+            calls.append(call)
+
+    def forward(bb, inputs, _attrs, _params):
+        q, k, v = (cache(bb, x) for x in inputs[:3])
+        B, S, H, Dh = _shape(q)
+        record(FWD, q, k, _scale(inputs[3]))
+        out = bb.emit(relax.call_dps_packed(
+            FWD, [q, k, v], [relax.TensorType([B, S, H, Dh], _BF16), relax.TensorType([B, H, S, 1], "float32")]))
+        o = bb.emit(relax.TupleGetItem(out, 0))
+        return relax.Tuple([cache.widen(bb, o), bb.emit(relax.TupleGetItem(out, 1))])
+
+    def backward(bb, inputs, _attrs, _params):
+        q, k, v, o, do = (cache(bb, x) for x in inputs[:5])
+        record(BWD, q, k, _scale(inputs[6]))
+        out = bb.emit(relax.call_dps_packed(
+            BWD, [q, k, v, o, do, inputs[5]], [relax.TensorType(_shape(x), _BF16) for x in (q, k, v)]))
+        return relax.Tuple([bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(out, i)), "float32"))
+                            for i in range(3)])
+
+    return {"CausalAttention": unit_converter("CausalAttention", forward, unit_calls=calls),
+            "CausalAttentionGrad": unit_converter("CausalAttentionGrad", backward, unit_calls=calls)}

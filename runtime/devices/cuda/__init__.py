@@ -1,0 +1,41 @@
+"""NVIDIA GPUs: artifacts of target cuda. Kernels compiled ahead into the artifact's fatbin
+(cuda_loader.py: no NVRTC or nvcc on the GPU machine), GEMMs on cuBLAS (gemm_cuda.py),
+bf16 attention on cuDNN's fused SDPA (attention_cuda.py), the training step as CUDA
+graphs (compiler/target_cuda.binds_inputs)."""
+from __future__ import annotations
+
+from .gemm import gemm  # noqa: F401 - the device interface's GEMM library
+
+NAME = "cuda"
+ORDER = 1
+TARGETS = ("cuda",)
+DLPACK = 2  # kDLCUDA
+DEFAULT_DTYPE = "bfloat16"
+CAPTURES_GRAPHS = True
+ORT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+ORT_MEMORY = "cuda"
+
+
+def unavailable(target: str) -> str | None:
+    return None  # a missing GPU is found when the first artifact loads (a compile-only box has none)
+
+
+def open(art_dir, manifest):  # noqa: A001 - the device interface's name
+    from . import loader as cuda_loader
+    from ...errors import LoracError
+    cuda_loader.prepare(art_dir, manifest)
+    import os
+
+    import tvm
+    dev = tvm.cuda(int(os.environ.get("LORAC_CUDA_DEVICE", "0")))  # a data-parallel worker's GPU
+    if not dev.exist:
+        raise LoracError("device cuda requested but no CUDA GPU is visible")
+    if manifest.get("unit_calls"):  # fused attention on cuDNN: plans built now
+        from . import attention as attention_cuda
+        attention_cuda.prepare(manifest, dev)
+    return dev
+
+
+def memory_free() -> int | None:
+    from ...limits import gpu_memory_free
+    return gpu_memory_free()

@@ -1,0 +1,86 @@
+"""A merged GGUF (`lorac export --format gguf-merged`): the base GGUF file with the LoRA folded
+into each adapted matrix, one file that llama.cpp and Ollama run without an adapter.
+
+Every metadata key of the base is copied (architecture, hyperparameters, vocabulary, chat
+template), every tensor without LoRA is copied byte for byte in its own type, and each
+adapted matrix is written as W + s·B·A in `qtype` (F16 by default; BF16, F32 or Q8_0 on
+request). W is the base tensor dequantized; the delta is not re-quantized into the base's
+4- or 5-bit type, whose steps are coarser than a LoRA update. For llama-family files the
+rows of B follow llama.cpp's Q/K order, as in the GGUF adapter export (docs/EXPORT.md).
+The base must be a GGUF file: an HF base goes through --format merged and then llama.cpp's
+convert_hf_to_gguf.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import LoracError
+
+QTYPES = ("F16", "BF16", "F32", "Q8_0")
+
+
+def _copy_metadata(reader, writer) -> None:
+    import gguf
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue  # the writer writes these itself
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+
+
+def _merged_matrix(t, a, b, scale, permute_heads):
+    """W + s·B·A in the file's row order, float32 [out, in]."""
+    from . import llama_qk_permute
+    from ..model.gguf_quant import dequantize
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    w = dequantize(t.data, int(t.tensor_type), shape, t.name)
+    if permute_heads:
+        b = llama_qk_permute(np.asarray(b, np.float32), permute_heads)
+    return w + scale * (np.asarray(b, np.float32) @ np.asarray(a, np.float32))
+
+
+def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rslora: bool = False,
+                       qtype: str = "F16") -> Path:
+    import gguf
+
+    from . import lora_pairs, lora_scale
+    from ..model.gguf import architecture, gguf_config, metadata, open_gguf
+    if qtype not in QTYPES:
+        raise LoracError(f"merged GGUF tensors can be {', '.join(QTYPES)}, not {qtype}")
+    if not str(base_gguf).endswith(".gguf"):
+        raise LoracError("--format gguf-merged needs a GGUF base model; export an HF base with --format merged "
+                         "and convert that with llama.cpp's convert_hf_to_gguf.py")
+    reader = open_gguf(base_gguf)
+    meta = metadata(reader)
+    arch, family = architecture(meta, base_gguf)
+    _, permute = family.gguf_export(gguf_config(reader, base_gguf, meta))  # {target: heads} llama.cpp permutes
+    pairs = lora_pairs(lora)
+    scale = lora_scale(alpha, next(iter(pairs.values()))[0].shape[0], use_rslora)
+    foreign = sorted({t for _, t in pairs if t not in family.GGUF_TARGETS})
+    if foreign:
+        raise LoracError(f"{base_gguf}: a {arch} GGUF has no tensor for LoRA target {foreign[0]}")
+    by_tensor = {f"blk.{i}.{family.GGUF_TARGETS[t]}.weight": (t, a, b) for (i, t), (a, b) in pairs.items()}
+    missing = sorted(set(by_tensor) - {t.name for t in reader.tensors})
+    if missing:
+        raise LoracError(f"{base_gguf}: has no tensor {missing[0]} for the LoRA on it")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out), arch)
+    _copy_metadata(reader, writer)
+    target_type = gguf.GGMLQuantizationType[qtype]
+    for t in reader.tensors:
+        if t.name not in by_tensor:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        target, a, b = by_tensor[t.name]
+        w = _merged_matrix(t, a, b, scale, permute.get(target))
+        data = w.astype(np.float32) if qtype == "F32" else gguf.quants.quantize(w, target_type)
+        writer.add_tensor(t.name, data, raw_dtype=target_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,137 @@
+"""The device memory a training step will hold, known before anything is compiled, and the
+fastest activation-checkpointing setting that fits a budget (`--checkpointing auto`).
+
+The estimate is the compiler's static plan for the step (activations and workspace) plus
+the frozen weights and the LoRA state (parameters, gradients, AdamW moments: 16 bytes a
+parameter), the three numbers `engine.memory_summary` reports from a built artifact. It has
+to be known without the compiler (a GPU machine that only runs carried artifacts chooses
+too), so the plan is modelled, per token of the step (T = batch x seq), from what the
+compiled CUDA steps were measured to plan:
+
+- each trained layer keeps, for its backward, by setting:
+  - no checkpointing, everything its backward reads ("full"); for the Llama/Qwen/Mistral
+    decoder in bf16: its input, q, k, v, the attention output, the mid-layer residual, gate
+    and up (`lean`, 2D + 2q + 2kv + 2I values; Qwen3 adds q and k before their norm) plus
+    the two norms' outputs and silu(gate) * up (2D + I);
+  - checkpointing, a kept layer (--keep-layers) only what costs a GEMM or attention to
+    recompute (`lean`, graphs/decoder.py Saved);
+  - checkpointing, a recomputed layer only its input (D values, a tenth more for the
+    per-token statistics beside it);
+- frozen layers below the first trained one keep nothing;
+- the peak is the larger of two moments: the loss, with every layer's kept set, one loss
+  chunk's fp32 logits [chunk, V] and a few [T, D] values (residual, its gradient: 3 x
+  itemsize x D bytes a token); and a layer's backward (the layers below it, its full set,
+  recomputed or not, and its gradients: 3 [T, D] values; Mamba's scan 8 [T, I]), which is
+  the larger with checkpointing and a small vocabulary.
+Phi-3 keeps its fused projections' outputs as well; Mamba keeps ~18 I values a token in a
+layer, its recomputed layers an fp32 input. Each family states its widths (`activation_bytes`
+in graphs/families/; the decoder's in graphs/decoder.py). Measured against the plans of
+compiled bf16 CUDA steps (bench/step_memory_fit.py, tests/test_step_memory.py; Llama-3-8B
+shape 4x2048 keeping 27 of 32 layers: 21.9 estimated, 22.13 GB planned; Qwen3-0.6B 8x1024:
+11.6 vs 11.7 GB) the estimates of the Llama, Qwen3 and Mamba shapes are within 4 %,
+Phi-3's within 3-13 % (both sides), and the small shapes of the tests up to 7 % over.
+Attention that is not cuDNN's fused unit (fp32 steps, windows shorter than the sequence,
+Gemma 2's soft-capped scores, documents packed in isolation) holds score matrices this
+model leaves out: there the estimate is None and `auto` does not checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GiB = 1 << 30
+WORKSPACE = 1 * GiB  # cuBLAS/cuDNN workspaces and the runtime beside the plan (0.8 GB at the 8B shape)
+
+
+@dataclass(frozen=True)
+class Choice:
+    checkpointing: bool
+    keep_layers: int
+    need: int | None  # estimated bytes, None when not estimated
+    why: str  # one line for the log
+
+
+def describe(checkpointing: bool, keep_layers: int, n_trained: int) -> str:
+    if not checkpointing:
+        return "checkpointing off"
+    if keep_layers:
+        return f"checkpointing on, keeping {min(keep_layers, n_trained)} of {n_trained} layers"
+    return f"checkpointing on, all {n_trained} layers recomputed"
+
+
+def _fused_attention(spec, train, dtype: str) -> bool:
+    """Whether the step's attention is cuDNN's fused unit as far as the run's settings go (no
+    [S, S] scores kept); a family whose attention never is says so itself (activation_bytes)."""
+    if dtype != "bfloat16" or getattr(train, "packing", "plain") == "isolated":
+        return False
+    window = getattr(spec, "sliding_window", None)
+    return window is None or window >= train.seq
+
+
+def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
+    """The step's static plan (activations and workspace; the module doc), or None where the
+    model does not apply."""
+    from lorac.graphs.families import for_spec
+    itemsize = 2 if dtype == "bfloat16" else 4
+    per = for_spec(spec).activation_bytes(spec, itemsize)
+    if per is None or (hasattr(spec, "heads") and not _fused_attention(spec, train, dtype)):
+        return None
+    full, lean, recomputed, backward = per
+    T = train.batch * train.seq
+    kept = [full if not train.checkpointing else recomputed if train.recomputes(spec, layer) else lean
+            for layer in sorted(train.layers(spec))]
+    chunk = min(train.loss_chunk or T, T)
+    peak = (sum(kept) + 3 * itemsize * spec.hidden) * T + 4 * chunk * spec.vocab  # the loss, everything kept
+    below = 0.0
+    for k in kept:  # each layer's backward, bottom up: the layers below it, its full set again, gradients
+        peak = max(peak, (below + full + backward) * T)
+        below += k
+    return int(peak)
+
+
+def estimate(spec, train, n_weights: int, dtype: str = "bfloat16") -> int | None:
+    """Bytes the step holds on a CUDA device: static plan + frozen weights + LoRA state
+    (parameters, gradients, AdamW moments in fp32), or None where the plan is not modelled."""
+    from ..limits import lora_params
+    plan = plan_bytes(spec, train, dtype)
+    return None if plan is None else plan + n_weights * (2 if dtype == "bfloat16" else 4) + 16 * lora_params(spec, train)
+
+
+def settings(n_trained: int):
+    """(checkpointing, keep_layers) from fastest to leanest: no checkpointing, then every layer
+    kept lean, then one layer fewer kept at a time down to all recomputed."""
+    yield False, 0
+    for keep in range(n_trained, -1, -1):
+        yield True, keep
+
+
+def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, str]:
+    """The bytes a step may plan for, and where the number comes from: --memory-budget less
+    the library workspaces, else the GPU's free memory less max(2 GiB, 5 %) (workspaces,
+    fragmentation, other processes' growth)."""
+    if asked_gb is not None:
+        return int(asked_gb * 1e9) - WORKSPACE, f"--memory-budget {asked_gb:g} GB less {WORKSPACE / GiB:g} GiB of workspaces"
+    if free is None:
+        return None, "no GPU visible"
+    reserve = max(2 * GiB, free // 20)
+    return free - reserve, f"{free / 1e9:.1f} GB free on the GPU less {reserve / 1e9:.1f} GB reserve"
+
+
+def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str) -> Choice:
+    """The fastest setting of settings() whose estimate fits `budget` (full checkpointing when
+    none does); no checkpointing without a budget or an estimate."""
+    gb = lambda n: f"{n / 1e9:.1f} GB"
+    if budget is None:
+        return Choice(False, 0, None, f"{source}, no budget to fit; give --memory-budget GB to choose for a GPU")
+    n_trained = len(train.layers(spec))
+    first = None
+    for ckpt, keep in settings(n_trained):
+        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep), n_weights, dtype)
+        if need is None:
+            return Choice(False, 0, None, "no memory estimate for this model and attention (docs/RUNTIME.md); "
+                                          "set --checkpointing / --keep-layers yourself")
+        first = first or need
+        if need <= budget:
+            more = "" if not ckpt else f"; no checkpointing needs {gb(first)}"
+            return Choice(ckpt, keep, need, f"estimated {gb(need)} of a {gb(budget)} budget ({source}){more}")
+    return Choice(True, 0, need, f"even full checkpointing needs an estimated {gb(need)}, more than the "
+                                 f"{gb(budget)} budget ({source}); trying it anyway")

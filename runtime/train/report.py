@@ -1,0 +1,109 @@
+"""Where a run's progress goes: OUT/metrics.jsonl (one JSON line per step and per eval), the
+terminal, and TensorBoard when asked (--report-to tensorboard).
+
+On a terminal the steps show as a tqdm bar with loss, learning rate, grad norm, tokens/s and
+the ETA, and compiling as a bar over the graphs; log lines go above the bar. Where stderr is
+not a terminal (a log file, CI) each step is one line instead (--progress bar|lines forces
+either). TensorBoard scalars go to OUT/runs through tensorboardX (pip install
+'lorac[tensorboard]'), under the names transformers' Trainer uses (train/loss,
+train/learning_rate, train/grad_norm, eval/loss).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import LoracError
+
+PROGRESS = ("auto", "bar", "lines")
+REPORT_TO = ("none", "tensorboard")
+
+
+def check_report_settings(progress: str, report_to: str) -> None:
+    if progress not in PROGRESS:
+        raise LoracError(f"--progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
+    bad = [r for r in report_to.split(",") if r.strip() not in REPORT_TO]
+    if bad:
+        raise LoracError(f"--report-to takes {' or '.join(REPORT_TO)}, got {', '.join(bad)}")
+
+
+def use_bar(progress: str) -> bool:
+    return progress == "bar" or (progress == "auto" and sys.stderr.isatty())
+
+
+class Report:
+    def __init__(self, out: Path, progress: str, report_to: str, resume: bool, log):
+        self.metrics = open(out / "metrics.jsonl", "a" if resume else "w")
+        self.bar = None  # made at the first step, below whatever compiling and evaluating printed
+        self.wants_bar, self._log = use_bar(progress), log
+        self.tb = _tensorboard(out) if "tensorboard" in report_to else None
+
+    def log(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            self._log(msg)
+
+    def _emit(self, rec: dict) -> None:
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def eval(self, step: int, loss: float) -> None:
+        self._emit(dict(step=step, eval_loss=loss))
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", loss, step)
+
+    def step(self, rec: dict, total: int, eta: float) -> None:
+        self._emit(rec)
+        if self.tb is not None:
+            for key, name in (("loss", "loss"), ("lr", "learning_rate"), ("grad_norm", "grad_norm"),
+                              ("tokens_per_s", "tokens_per_second")):
+                self.tb.add_scalar(f"train/{name}", rec[key], rec["step"])
+        if self.wants_bar and self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=rec["step"] - 1, unit="step", dynamic_ncols=True, file=sys.stderr)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.1e}", gnorm=f"{rec['grad_norm']:.3f}",
+                                 tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+            self.bar.update(1)
+        else:
+            self._log(f"step {rec['step']:5d}/{total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | gnorm "
+                      f"{rec['grad_norm']:.3f} | {rec['tokens_per_s']:8.0f} tok/s | {rec['step_s'] * 1e3:7.0f} ms | "
+                      f"eta {eta:5.0f} s")
+
+    def close(self) -> None:
+        """Flush and close everything; again is a no-op (the training loop closes the report
+        before the final eval, its cleanup once more however the run ends)."""
+        self.metrics.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def _tensorboard(out: Path):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise LoracError("--report-to tensorboard needs tensorboardX: pip install 'lorac[tensorboard]'") from None
+    return SummaryWriter(str(out / "runs"))
+
+
+def compile_all(engine, kinds, progress: str) -> None:
+    """Compile (or find in the cache) each graph of the run up front, under a bar on a terminal."""
+    if not use_bar(progress):
+        for kind in kinds:
+            engine.compile(kind)
+        return
+    from tqdm import tqdm
+    log = engine.log
+    with tqdm(kinds, unit="graph", desc="compiling", dynamic_ncols=True, file=sys.stderr) as bar:
+        engine.log = lambda msg: bar.write(msg, file=sys.stderr)
+        try:
+            for kind in bar:
+                bar.set_postfix_str(kind.split(":")[0])
+                engine.compile(kind)
+        finally:
+            engine.log = log

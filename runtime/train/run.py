@@ -1,0 +1,635 @@
+"""The training loop: model + data + compiled step -> a trained LoRA adapter.
+
+Reads top to bottom: load the model and data, compile (or reuse) the graphs, initialise or
+resume, then step / log / eval / checkpoint, and finally export the adapter. One JSON line
+per step and per eval goes to OUT/metrics.jsonl; a progress line goes to the terminal.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from lorac.core.constants import CACHE_DIR
+from lorac.core.settings import like, setting
+from lorac.graphs import families
+from lorac.graphs.spec import PACKINGS
+
+from .. import devices
+from ..errors import LoracError
+from ..files import respect_umask
+from .optim import LoraPlusConfig
+from .report import Report, compile_all
+
+CPU = "cpu"  # the default --target: every machine has one
+CHECKPOINTING = ("auto", "on", "off")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of `lorac train`, one field each: its default, its reason (a comment) and
+    its help line live here and nowhere else (the CLI makes one flag per field, --help shows
+    the defaults; the optimizer's fields come from LoraPlusConfig, runtime/train/optim.py)."""
+    model: str | None = setting(
+        None, "HF model directory, .gguf file, or hub id ORG/NAME (ORG/NAME:Q4_K_M for a GGUF repo; the local HF "
+        "cache first) (default: the bundled SmolLM2-135M-Instruct)")
+    data: str | None = setting(
+        None, "training data: .txt, .jsonl/.json (text, prompt/completion, chat messages, alpaca, sharegpt), "
+        ".parquet/.arrow, a dataset folder, or a hub dataset ORG/NAME[:SPLIT] (default: the bundled Jargon File "
+        "Q&A corpus)")
+    eval_data: str | None = setting(None, "held-out data file (default: every 1/eval-fraction-th document of --data)")
+    out: str = setting("lorac-out", "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked "
+                       "while a run writes there)")
+    # 40 steps of 4x128 tokens: the bundled demo shows its loss fall in a few minutes on a laptop CPU
+    steps: int = setting(40, "optimizer steps")
+    batch: int = setting(4, "sequences per micro-batch; with --gpus N, of all workers together "
+                         "(--per-device-train-batch-size: per worker, as in TRL)")
+    seq: int = setting(128, "tokens per sequence")
+    # "auto": isolated where the family has it, plain for Mamba and on cuda (resolve_packing; docs/DATA.md)
+    packing: str = setting("auto", "how documents share a packed row: isolated (each attends only within itself "
+                           "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
+                           "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "
+                           "attention is not yet on cuDNN (docs/DATA.md)")
+    rank: int = setting(16, "LoRA rank r")
+    alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
+    rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
+    # None: every linear layer of the family (QLoRA/LoRA+ practice). Named lora_targets (as
+    # TrainSpec's) so it is not one letter from `target`, the device; the flag stays --targets
+    lora_targets: tuple[str, ...] | None = setting(
+        None, "comma-separated LoRA targets (default: every linear layer of the model's family: "
+        + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
+        flag="--targets")
+    trained_layers: str | None = setting(None, "adapt only layers A:B, or the layers i,j,k (no backward below the "
+                                         "first)")  # "A:B": layers A..B-1 only (frozen prefix below A)
+    lr: float = like(LoraPlusConfig, "lr", optimizer=True)
+    loraplus_ratio: float = like(LoraPlusConfig, "loraplus_ratio", optimizer=True)
+    warmup: int = like(LoraPlusConfig, "warmup_steps", optimizer=True)
+    weight_decay: float = like(LoraPlusConfig, "weight_decay", optimizer=True)
+    max_grad_norm: float = like(LoraPlusConfig, "max_grad_norm", optimizer=True)
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    target: str = setting(CPU, f"where to train: {', '.join(devices.targets())} (runtime/devices/; docs/TARGETS.md: "
+                          "a target whose runtime this machine lacks is refused at once, and --compile-only builds "
+                          "for any)")
+    dtype: str | None = setting(None, "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend "
+                                "ort: float32)")
+    backend: str = setting("tvm", "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install "
+                           "'lorac[ort]')")  # "ort": engine_ort.py
+    ort_providers: str | None = setting(
+        None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
+        "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
+    # "auto": the fastest setting whose estimated memory fits the GPU (runtime/train/memory.py);
+    # a bare --checkpointing means on, as when the flag was a switch
+    checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, or "
+                                 "auto: on cuda the fastest setting (none, or the most --keep-layers) whose "
+                                 "estimated memory fits the GPU's free memory or --memory-budget; off elsewhere "
+                                 "(docs/RUNTIME.md)", bare="on")
+    keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
+                               "(faster, more memory); given alone, turns checkpointing on")
+    memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
+                                          "(default: the GPU's free memory less a reserve)", type=float)
+    loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
+                              "logits fit 1.5 GiB)")
+    scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
+                              "graphs/mamba.py DEVICE_CHUNK)")
+    eval_every: int = setting(10, "steps between evals")
+    eval_batches: int = setting(4, "batches per eval (0: no eval)")
+    save_every: int = setting(20, "steps between checkpoints")
+    keep_checkpoints: int = setting(2, "checkpoints kept")
+    seed: int = setting(0, "random seed (LoRA init and data order)")
+    resume: str | None = setting(None, "continue from a checkpoint directory (or OUT/checkpoints)")
+    adapter: str | None = setting(None, "start from this PEFT adapter directory (its rank, alpha, targets and "
+                                  "layers replace --rank, --alpha, --targets, --trained-layers)")
+    cache_dir: str = setting(CACHE_DIR, "compiled-artifact cache")
+    eval_fraction: float = setting(0.05, "share of documents held out for eval")
+    sample_prompt: str | None = setting(None, "prompt for the before/after sample (default: one from the eval data)")
+    sample_tokens: int = setting(32, "tokens generated for the sample (0: no sample)")
+    compile_only: bool = setting(False, "compile every graph of the run for --target into --cache-dir and stop; "
+                                 "copy the cache to the machine that trains (it needs no compiler then)")
+    tune: int = setting(0, "MetaSchedule trials for the training step's TVM kernels, cpu or cuda (0: default "
+                        "schedules; cuda tunes on this machine's GPU and needs nvcc; the database under "
+                        "--cache-dir is reused by later runs; docs/COMPILER.md, Tuning)")
+    no_cuda_graph: bool = setting(False, "cuda: run the training step as plain VM calls instead of CUDA graphs "
+                                  "(graphs cut the host's work per step from ~15,000 calls to a few hundred)")
+    progress: str = setting("auto", "auto (a bar on a terminal, a line per step elsewhere), bar or lines")
+    report_to: str = setting("none", "none, or tensorboard (scalars to OUT/runs; pip install "
+                             "'lorac[tensorboard]')")
+    # 0: one process, or the MPI job's workers when started under mpiexec (runtime/dist/launch.py)
+    gpus: int = setting(0, "data-parallel workers on this host: N processes through mpiexec, one per GPU with "
+                        "--target cuda (CPU processes with --target cpu); --batch is the global batch, split over "
+                        "them; several hosts: docs/DISTRIBUTED.md (pip install 'lorac[distributed]')")
+    # 600 s: torch's NCCL default
+    dist_timeout: float = setting(600.0, "seconds a worker waits for the others in a collective before the run "
+                                  "stops with an error")
+    extra: dict = setting(help="settings without a flag (API use)", factory=dict)
+
+    @classmethod
+    def optimizer_settings(cls) -> tuple[str, ...]:
+        """The fields that shape the optimizer's trajectory (a resumed run must keep them)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("optimizer"))
+
+    def optim_config(self) -> LoraPlusConfig:
+        """The run's LoraPlusConfig (total_steps: --steps; the rest at LoraPlusConfig's defaults)."""
+        return LoraPlusConfig(lr=self.lr, loraplus_ratio=self.loraplus_ratio, weight_decay=self.weight_decay,
+                              max_grad_norm=self.max_grad_norm, warmup_steps=self.warmup, total_steps=self.steps)
+
+    def validate(self):
+        for key in ("steps", "batch", "seq", "rank", "grad_accum", "eval_every", "save_every", "eval_batches"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "eval_batches" else 1):
+                raise LoracError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
+        for key in ("lr", "alpha", "loraplus_ratio", "weight_decay", "max_grad_norm", "eval_fraction"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise LoracError(f"--{key.replace('_', '-')} must be a finite number, got {v!r}")
+        if self.lr <= 0 or self.alpha <= 0 or self.loraplus_ratio <= 0:
+            raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
+        if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
+            raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
+        if isinstance(self.checkpointing, bool):  # configs and checkpoints from when it was a switch
+            self.checkpointing = "on" if self.checkpointing else "off"
+        if self.checkpointing not in CHECKPOINTING:
+            raise LoracError(f"--checkpointing must be auto, on or off, got {self.checkpointing!r}")
+        if not isinstance(self.keep_layers, int) or isinstance(self.keep_layers, bool) or self.keep_layers < 0:
+            raise LoracError(f"--keep-layers must be an integer >= 0, got {self.keep_layers!r}")
+        if self.keep_layers and self.checkpointing == "off":
+            raise LoracError("--keep-layers keeps some layers' activations under checkpointing; with "
+                             "--checkpointing off every layer keeps them")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or not isinstance(
+                self.memory_budget, (int, float)) or not 0 < self.memory_budget < math.inf):
+            raise LoracError(f"--memory-budget must be a positive number of GB, got {self.memory_budget!r}")
+        if not isinstance(self.tune, int) or isinstance(self.tune, bool) or self.tune < 0:
+            raise LoracError(f"--tune must be an integer >= 0 (0: no tuning), got {self.tune!r}")
+        if self.tune and (self.backend != "tvm" or self.target not in ("cpu", "cuda")):
+            raise LoracError(f"--tune tunes TVM's kernels for --target cpu or cuda, not --backend {self.backend} "
+                             f"--target {self.target}")
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0:
+            raise LoracError(f"--gpus must be an integer >= 0, got {self.gpus!r}")
+        if self.gpus > 1 and self.batch % self.gpus:
+            raise LoracError(f"--batch {self.batch} is the global batch and must split evenly over --gpus {self.gpus}")
+        if not isinstance(self.dist_timeout, (int, float)) or not 0 < self.dist_timeout < math.inf:
+            raise LoracError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
+        if not 0 <= self.eval_fraction < 1:
+            raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        if self.packing not in ("auto",) + PACKINGS:
+            raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
+        from .report import check_report_settings
+        check_report_settings(self.progress, self.report_to)
+        self.check_backend()
+
+    def check_backend(self):
+        """--target, --backend and --ort-providers, before anything loads: a target this machine
+        cannot train on is one line here (runtime/devices/), not an error deep inside TVM."""
+        if self.backend not in ("tvm", "ort"):
+            raise LoracError(f"--backend must be tvm or ort, got {self.backend!r}")
+        devices.for_target(self.target)  # an unknown target: one line naming the known ones
+        if self.backend == "ort":
+            if self.compile_only:
+                raise LoracError("--compile-only fills the TVM artifact cache; --backend ort compiles nothing ahead")
+        elif self.ort_providers:
+            raise LoracError("--ort-providers is for --backend ort")
+        elif not self.compile_only:
+            devices.check_trainable(self.target)
+
+    def layer_range(self, n_layers: int):
+        if not self.trained_layers:
+            return None
+        try:
+            if ":" not in self.trained_layers:  # a list of layers, as an adapter's layers_to_transform
+                return tuple(int(x) for x in self.trained_layers.split(","))
+            lo, hi = (int(x) if x else d for x, d in zip(self.trained_layers.split(":"), (0, n_layers)))
+        except ValueError:
+            raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
+        return range(lo, hi)
+
+
+def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
+    """--packing auto (or None) -> "isolated" where the model family implements it and the
+    target runs it at plain packing's cost; "plain" for Mamba (its conv and scan would need
+    their state reset at document starts: not implemented) and on cuda, where the packed
+    attention is not yet on cuDNN (TVM kernels: ~4x the attention time and O(S^2) memory)."""
+    if packing in (None, "auto"):
+        from lorac.graphs.families import for_spec
+        return "isolated" if for_spec(spec).PACKING_ISOLATED and target != "cuda" else "plain"
+    return packing
+
+
+def kaiming_uniform_a(rng, shape) -> np.ndarray:
+    """PEFT's lora_A init, kaiming_uniform_(a=sqrt(5)): bound = sqrt(6/((1+a^2) fan_in)) = 1/sqrt(fan_in)."""
+    bound = 1.0 / math.sqrt(shape[1])
+    return rng.uniform(-bound, bound, size=shape).astype(np.float32)
+
+
+def init_lora(shapes: dict, rng) -> dict:
+    return {n: kaiming_uniform_a(rng, s) if ".lora_A." in n else np.zeros(s, np.float32) for n, s in shapes.items()}
+
+
+class Run:
+    """Everything a training run holds: model, data, engine, LoRA and optimizer state."""
+
+    def __init__(self, cfg: TrainConfig, log=None):
+        from lorac.graphs import ModelSpec, TrainSpec
+
+        from ..data import load_dataset
+        from ..model.source import resolve_model
+        from ..dist import current
+        cfg.validate()
+        self.dp = dp = current()  # the data-parallel workers (distributed.py); rank 0 alone logs
+        self.cfg, self.log = cfg, log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not dp.main:
+            self.log = lambda msg: None
+        self.source = resolve_model(cfg.model)
+        self.log(f"model: {self.source.describe()}")
+        self.model_config, weights, self.tokenizer = self.source.load()
+        self.spec = ModelSpec.from_hf_config(self.model_config)
+        self.adapter = None
+        if cfg.adapter:  # the adapter's settings replace the flags it decides
+            from ..model.adapter_in import read_adapter
+            self.adapter = a = read_adapter(cfg.adapter, self.spec)
+            cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, lora_targets=a.targets,
+                                     trained_layers=a.trained_layers(self.spec.layers))
+            self.log(f"adapter: {a.describe()}")
+        packing = resolve_packing(cfg.packing, self.spec, cfg.target)
+        if packing != cfg.packing:  # checkpoints record what ran
+            cfg = self.cfg = replace(cfg, packing=packing)
+        why = " (documents attend only within themselves)" if packing == "isolated" else " (rows attend across documents)"
+        if packing == "isolated" and cfg.target == "cuda":
+            why += "; attention runs as TVM kernels, not cuDNN's (docs/COMPILER.md)"
+        self.log(f"packing: {packing}{why}")
+        from lorac.graphs.families import for_spec
+        try:  # the family's own options (Mamba's scan chunk)
+            extra = for_spec(self.spec).train_extra(cfg.target, cfg.scan_chunk)
+        except ValueError as e:
+            raise LoracError(str(e)) from None
+        if "scan_chunk" in extra:
+            self.log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
+        # data parallel: each worker's step takes its share of the global --batch (--compile-only
+        # --gpus N, in one process, compiles that step too)
+        workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
+        loss_chunk = cfg.loss_chunk
+        if loss_chunk == 0 and cfg.target == "cuda":  # bound the [tokens, vocab] logits on GPUs
+            from lorac.graphs.loss import auto_chunk
+            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq)
+            if loss_chunk:
+                self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
+        self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
+                                    alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
+                                    checkpointing=cfg.checkpointing == "on", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
+                                    packing=cfg.packing, extra=extra)
+        n_weights = sum(int(w.size) for w in weights.values())
+        if cfg.checkpointing == "auto":
+            self._choose_checkpointing(n_weights)
+            cfg = self.cfg
+        self.train_spec.validate(self.spec)
+        from .. import limits  # before any compile: an impossible size would only fill memory
+        limits.check_context(cfg.seq, self.model_config, "--seq")
+        limits.check_rank(self.spec, self.train_spec)
+        limits.check_memory(self.spec, self.train_spec, n_weights, cfg.target)
+        data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
+        self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
+                                 eval_path=eval_path, packing=cfg.packing)
+        self.eval_path = eval_path
+        self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
+        self.optim_cfg = cfg.optim_config()
+        from ..engine.tvm import make_engine
+        if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
+            from ..devices.cpu.gemm import blas_info
+            self.log(f"cpu GEMMs: {blas_info()}")
+        self.engine = make_engine(cfg.backend, self.spec, self.train_spec, weights, cfg.target, cfg.dtype,
+                                  cfg.cache_dir, self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph,
+                                  providers=cfg.ort_providers, ranks=workers, tune=cfg.tune)
+        del weights  # the device holds them now
+        if self.adapter:
+            self.adapter.check_shapes(self.engine.shapes)
+        self.model_hash = _model_hash(self.model_config, self.source.path)
+
+    def _choose_checkpointing(self, n_weights: int) -> None:
+        """Resolve --checkpointing auto (runtime/train/memory.py) into on/off and --keep-layers,
+        in the config too (checkpoints record what ran; a resumed run compiles the same graph)."""
+        from . import memory as step_memory
+        cfg, train, log = self.cfg, self.train_spec, self.log
+        if cfg.resume:  # the checkpoint's graph
+            from .checkpoint import read_state
+            saved = read_state(cfg.resume).get("train_config") or {}
+            ckpt, keep = saved.get("checkpointing", False), int(saved.get("keep_layers") or 0)
+            ckpt = ckpt if isinstance(ckpt, bool) else ckpt == "on"
+            why = f"the checkpoint's setting ({cfg.resume})"
+        elif cfg.keep_layers:
+            ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
+        elif cfg.target != "cuda" or cfg.backend != "tvm":
+            ckpt, keep, why = False, 0, f"auto is off on --target {cfg.target}" if cfg.backend == "tvm" else \
+                "auto is off on --backend ort"
+        else:
+            free = None if cfg.memory_budget is not None else devices.for_target(cfg.target).memory_free()
+            budget, source = step_memory.budget_from(free, cfg.memory_budget)
+            gather = getattr(self.dp, "gather", None)
+            if gather is not None and budget is not None:  # every worker compiles the same step
+                budget = int(gather([budget], "the memory budgets").min())
+                source += f", the least of {self.dp.size} workers"
+            dtype = cfg.dtype or devices.for_target(cfg.target).DEFAULT_DTYPE
+            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source)
+            ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
+        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
+        self.cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)))} ({why})")
+
+    # -- state ------------------------------------------------------------------------------
+    def fresh_state(self):
+        rng = np.random.default_rng(self.cfg.seed)
+        lora = init_lora(self.engine.shapes, rng) if self.adapter is None else \
+            {n: self.adapter.lora[n].copy() for n in self.engine.shapes}
+        zeros = {n: np.zeros(s, np.float32) for n, s in self.engine.shapes.items()}
+        return dict(step=0, updates=0, skipped=0, lora=lora, m=zeros, v=dict(zeros), data=None, rng=rng)
+
+    def resume_state(self, path):
+        from . import resume
+        from .checkpoint import load_checkpoint, rng_from_state
+        ck = load_checkpoint(path, model_hash=self.model_hash, graph_hash=self.engine.graph_hash)
+        s = ck.state
+        if set(ck.lora) != set(self.engine.names):
+            raise LoracError(f"checkpoint {ck.path} holds other LoRA tensors than this run trains")
+        lacking = [k for k in ("updates", "skipped", "data", "rng") if k not in s]
+        if lacking:
+            raise LoracError(f"checkpoint {ck.path} cannot be resumed: its state has no {lacking[0]}")
+        resume.check(ck, self.cfg, self.data.digest)
+        self.optim_cfg.total_steps = resume.schedule_steps(ck, self.cfg, self.log)
+        return dict(step=ck.step, updates=s["updates"], skipped=s["skipped"], lora=ck.lora, m=ck.m, v=ck.v,
+                    data=s["data"], rng=rng_from_state(s["rng"]))
+
+    def save(self, st: dict, batches) -> Path:
+        from .checkpoint import rng_state, save_checkpoint
+        lora, m, v = self.engine.state_numpy()
+        state = dict(updates=st["updates"], skipped=st["skipped"], data=batches.state(), rng=rng_state(st["rng"]),
+                     model_hash=self.model_hash, graph_hash=self.engine.graph_hash, data_sha256=self.data.digest,
+                     schedule_steps=self.optim_cfg.total_steps, train_config=_jsonable(asdict(self.cfg)),
+                     model_config=self.model_config)
+        return save_checkpoint(Path(self.cfg.out) / "checkpoints", st["step"], lora, m, v, state,
+                               keep=self.cfg.keep_checkpoints)
+
+    def evaluate(self, lora) -> float:
+        """Mean loss over the first `eval_batches` eval batches (token-weighted; each worker
+        scores its rows of every batch)."""
+        total = count = 0.0
+        for i, b in enumerate(self.data.eval_batches(self.cfg.batch)):
+            if i >= self.cfg.eval_batches:
+                break
+            b, _ = self.dp.shard(b)
+            n = float(np.sum(b["labels"][:, 1:] != -100))
+            total += self.engine.eval_loss(b, lora) * n
+            count += n
+        total, count = self.dp.total([total, count])
+        return total / max(count, 1.0)
+
+
+def default_corpus() -> tuple[str, str]:
+    from ..model.default import default_corpus as files
+    return files()
+
+
+def sample_prompt(cfg: TrainConfig, eval_path) -> str | None:
+    """The before/after sample's prompt: --sample-prompt, else the first user turn or prompt of
+    the eval file (JSONL), else none."""
+    if cfg.sample_prompt:
+        return cfg.sample_prompt
+    if not eval_path or not str(eval_path).endswith(".jsonl"):
+        return None
+    from ..data import read_records
+    rec = next((r for _, r in read_records(eval_path)), {})  # the loader's reading: blank lines skipped
+    if isinstance(rec.get("prompt"), str):
+        return rec["prompt"]
+    users = [m["content"] for m in rec.get("messages") or [] if isinstance(m, dict) and m.get("role") == "user"]
+    return users[0] if users and isinstance(users[0], str) else None
+
+
+def _sample_ids(run):
+    """Token ids of the before/after sample's prompt, or None when there is no sample."""
+    from ..generate import prompt_ids
+    prompt = sample_prompt(run.cfg, run.eval_path)
+    if not prompt or run.cfg.sample_tokens <= 0:
+        return None, None
+    return prompt, prompt_ids(run.tokenizer, prompt)
+
+
+def show_sample(run, lora, label: str) -> str | None:
+    from ..generate import SAMPLE_REPETITION_PENALTY, generate, model_repetition_penalty
+    prompt, ids = _sample_ids(run)
+    if prompt is None:
+        return None
+    tok = run.tokenizer
+    penalty = model_repetition_penalty(run.source.path) or SAMPLE_REPETITION_PENALTY
+    text = tok.decode(generate(run.engine, tok, ids, lora, run.cfg.sample_tokens, window=_window(len(ids), run.cfg),
+                               repetition_penalty=penalty))
+    run.log(f"--- sample ({label}) ---\n> {prompt}\n{text}\n---")
+    return text
+
+
+def _window(n_prompt: int, cfg: TrainConfig) -> int:
+    """Forward-graph window for a sample: prompt plus new tokens, rounded up to 32."""
+    return -(-(n_prompt + cfg.sample_tokens) // 32) * 32
+
+
+def _model_hash(config: dict, path) -> str:
+    """The model's identity for --resume: its config and its weights' fingerprint."""
+    from .checkpoint import config_hash
+    from ..model.weights import fingerprint
+    return config_hash({"config": {k: v for k, v in config.items() if not k.startswith("_")},
+                        "weights": fingerprint(path)})
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def graph_kinds(run: Run) -> list[str]:
+    """The graphs the run uses (Engine.compile's kinds)."""
+    kinds = ["train", "adamw"] + (["eval"] if run.cfg.eval_batches else [])
+    _, ids = _sample_ids(run)
+    if ids is not None:
+        kinds.append(f"forward:1,{_window(len(ids), run.cfg)}")
+    return kinds
+
+
+def precompile(run: Run) -> dict:
+    """Compile every graph the run would use into the cache (compile here, train elsewhere)."""
+    arts = {k: str(run.engine.compile(k)) for k in graph_kinds(run)}
+    run.log(f"compiled {len(arts)} artifacts for {run.cfg.target} into {run.cfg.cache_dir}")
+    return {"compiled": arts}
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LOCK_FILE = ".lorac.lock"  # in OUT: held (flock) by the run writing there
+
+
+def train(cfg: TrainConfig, log=None) -> dict:
+    """Run the whole job; returns a summary dict (also written to OUT/summary.json). The output
+    directory is locked for the run: a second run into it fails at once with one line."""
+    from .. import dist as distributed
+    cfg.validate()
+    if cfg.compile_only:
+        return precompile(Run(cfg, log))
+    workers = distributed.setup(cfg)
+    lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
+    try:
+        # whatever _train opens or installs (the metrics file, the signal handlers) it hands to
+        # `cleanup`, which closes and restores it however _train ends
+        with contextlib.ExitStack() as cleanup:
+            summary = _train(cfg, log, cleanup)
+        workers.done = True
+        return summary
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim(out: Path):
+    from lorac.core import locks
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LoracError(f"cannot create the output directory {out}: {e.strerror or e}") from None
+    lock = locks.acquire(out / LOCK_FILE, wait=False)
+    if lock is None:
+        raise LoracError(f"{out} is in use by another lorac run (pid {locks.holder(out / LOCK_FILE)}); "
+                         "wait for it to finish or choose another --out")
+    return lock
+
+
+def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
+    from . import resume
+    from .optim import group_lrs
+
+    run = Run(cfg, log)
+    log, dp = run.log, run.dp
+    out = Path(cfg.out)
+    dp.check_identity(run)
+    # data parallel: rank 0 reads --resume (or starts fresh) and every worker starts from its state
+    st = dp.share_state(run, lambda: run.resume_state(cfg.resume) if cfg.resume else run.fresh_state())
+    batches = run.data.batches(cfg.batch, seed=cfg.seed, state=st["data"])  # global batches, dp.shard splits them
+    eng = run.engine
+    eng.set_state(st["lora"], st["m"], st["v"])
+    dp.attach(eng)
+    if cfg.resume and dp.main:  # steps after the checkpoint are made again: drop their old lines
+        resume.truncate_metrics(out / "metrics.jsonl", st["step"])
+    report = cleanup.enter_context(contextlib.closing(
+        Report(out, cfg.progress, cfg.report_to, cfg.resume, log) if dp.main else _Silent()))
+    log = run.log = eng.log = report.log  # above the progress bar, where there is one
+    compile_all(eng, graph_kinds(run), cfg.progress if dp.main else "lines")
+    # Ctrl-C, SIGTERM, SIGHUP: finish the step, save a checkpoint, exit nonzero. The handlers
+    # stay until the end: a Ctrl-C inside a compiled call would surface as a TVM error from
+    # the GEMM callback rather than as KeyboardInterrupt
+    # (data parallel: a signal only marks this worker; the workers agree after each step)
+    stop = {"now": False, "signal": None}
+    previous = {sig: signal.signal(sig, lambda n, _f: stop.update(now=dp.size == 1, signal=n)) for sig in STOP_SIGNALS}
+    cleanup.callback(_restore, previous)
+    first_eval = run.evaluate(eng.lora) if cfg.eval_batches else None
+    if first_eval is not None:
+        if not cfg.resume:
+            report.eval(st["step"], first_eval)
+        log(f"eval loss before step {st['step'] + 1}: {first_eval:.4f}")
+    base_sample = show_sample(run, eng.lora, "base model") if not cfg.resume and dp.main else None
+    tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
+    t_start = time.perf_counter()
+    start_step = st["step"]
+    gpu_in_use = None
+    while st["step"] < cfg.steps and not stop["now"]:
+        t0 = time.perf_counter()
+        st["step"] += 1
+        lr_a, lr_b = group_lrs(st["updates"] + 1, run.optim_cfg)
+        # forward + backward over grad_accum micro-batches; gradients averaged. Data parallel: a
+        # worker's loss and gradient count with its share w of each micro-batch's tokens, and
+        # eng.update sums the workers' gradients (w = 1 in one process)
+        loss, grads, share = 0.0, None, 1.0
+        if cfg.grad_accum == 1:  # gradients stay on the device; the loss is read after the
+            batch, share = dp.shard(next(batches))  # update is enqueued
+            grads = eng.step(batch, eng.lora, read_loss=False)
+            loss = grads.pop("loss")
+        for _ in range(cfg.grad_accum if cfg.grad_accum > 1 else 0):
+            batch, w = dp.shard(next(batches))
+            res = eng.step(batch, eng.lora)
+            loss += w * res.pop("loss") / cfg.grad_accum
+            part = eng.host(res)  # summed on the host
+            part = part if w == 1.0 else {k: np.float32(w) * g for k, g in part.items()}
+            grads = part if grads is None else {k: grads[k] + part[k] for k in grads}
+        if cfg.grad_accum > 1:
+            grads = {k: g / cfg.grad_accum for k, g in grads.items()}
+        gnorm, skipped = eng.update(grads, lr_a, lr_b, st["updates"] + 1, grad_share=share)
+        if not isinstance(loss, float):
+            loss = share * float(loss.numpy())
+        loss, agreed = dp.agree(loss, stop["signal"])
+        if agreed:
+            stop.update(now=True, signal=agreed)
+        if skipped:  # a non-finite gradient (a NaN loss makes one too) is never applied
+            st["skipped"] += 1
+            log(f"step {st['step']}: non-finite loss/gradient (loss {loss}, grad norm {gnorm}); step skipped "
+                f"({st['skipped']} so far)")
+        else:
+            st["updates"] += 1
+        dt = time.perf_counter() - t0
+        done = st["step"] - start_step
+        eta = (time.perf_counter() - t_start) / done * (cfg.steps - st["step"])
+        if done == 1 and cfg.target == "cuda" and cfg.backend == "tvm":  # the measured side of the plan's estimate
+            from ..limits import gpu_memory_info
+            info = gpu_memory_info()
+            if info:
+                gpu_in_use = (info[1] - info[0]) / 1e9
+                log(f"memory: {gpu_in_use:.1f} GB in use on the GPU after the first step (this process and any other)")
+        report.step(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
+                         tokens_per_s=tokens_per_step / dt, step_s=dt), cfg.steps, eta)
+        if cfg.eval_batches and (st["step"] % cfg.eval_every == 0 or st["step"] == cfg.steps):
+            ev = run.evaluate(eng.lora)
+            report.eval(st["step"], ev)
+            log(f"eval loss after step {st['step']}: {ev:.4f}")
+        if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
+            dp.check_same(eng, st["step"])
+            if dp.main:
+                path = run.save(st, batches)
+                respect_umask(path)
+                log(f"checkpoint: {path}")
+    report.close()
+    interrupted = st["step"] < cfg.steps  # a signal after the last step does not count
+    final_eval = run.evaluate(eng.lora) if cfg.eval_batches and not interrupted else None
+    if final_eval is not None:
+        log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
+    if not dp.main:  # the other workers are done: rank 0 samples, exports and sums up
+        return dict(interrupted=interrupted, stopped_by=signal.Signals(stop["signal"]).name if interrupted else None)
+    summary = dict(steps=st["step"], updates=st["updates"], skipped=st["skipped"], eval_loss_before=first_eval,
+                   eval_loss_after=final_eval, interrupted=interrupted,
+                   stopped_by=signal.Signals(stop["signal"]).name if interrupted and stop["signal"] else None,
+                   sample_base=base_sample,
+                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
+    if gpu_in_use is not None:
+        summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
+    if not interrupted:
+        from ..export import PeftRefused, export_peft
+        from .plot import plot_metrics
+        try:
+            adapter = export_peft(out / "adapter", eng.state_numpy()[0], alpha=cfg.alpha, use_rslora=cfg.rslora,
+                                  base_model_name_or_path=run.source.name, num_hidden_layers=run.spec.layers, warn=log)
+            respect_umask(adapter)
+        except PeftRefused as e:  # e.g. LoRA on Mamba's out_proj only: the checkpoint exports as merged
+            log(f"no PEFT adapter written: {e}")
+            adapter = None
+        summary["adapter"] = adapter and str(adapter)
+        summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+class _Silent:
+    """The report of a data-parallel worker other than rank 0: rank 0 reports for all."""
+
+    def log(self, msg):
+        pass
+
+    eval = step = close = lambda self, *a: None
