@@ -57,7 +57,6 @@ class Tuner:
     """What tuning needs to know of one target."""
     name: str  # the database file is f"{name}-tuning.json"
     rules: str  # MetaSchedule's schedule rules and postprocessors: "llvm", "cuda"
-    relax_passes: Callable  # target -> the target's Relax passes (ApplyTuned among them)
     tuning_target: Callable  # target -> the target with what MetaSchedule's rules read
     default_schedule: Callable  # (IRModule of one kernel, target) -> the build's schedule of it
     device: Callable  # () -> the tvm device candidates run on, or None when there is none
@@ -76,12 +75,13 @@ def attempt(fn, *args):
         return e
 
 
-def tune(mod, target, trials: int, cache_dir, tuner: Tuner):
+def tune(mod, target, trials: int, cache_dir, tuner: Tuner, relax_passes: Callable):
     """Spend up to `trials` measurements on the heaviest kernels not yet in the database.
 
     Which kernels is a function of the graph and `trials` alone (the heaviest
     trials // per-task of them), so compiling again with the same `trials` finds them all
     in the database and measures nothing (and needs no device to measure on).
+    `relax_passes`: target -> the target's Relax passes (ApplyTuned among them).
     """
     if trials < 0:
         raise LoracError(f"--tune takes a number of trials >= 0, got {trials}")
@@ -94,7 +94,7 @@ def tune(mod, target, trials: int, cache_dir, tuner: Tuner):
         raise LoracError(f"cannot create the tuning cache {path.parent}: {e.strerror}") from None
     key = _key(target, tuner)
     try:
-        tasks = _fused_tasks(mod, target, tuner)
+        tasks = _fused_tasks(mod, target, relax_passes)
     except Exception as e:  # noqa: BLE001 - TVM raises its own error types
         raise LoracError(f"MetaSchedule could not extract the kernels to tune: {_last_line(e)}") from None
     per_task = min(trials, _MAX_PER_TASK, max(_MIN_PER_TASK, trials // max(len(tasks), 1)))
@@ -165,12 +165,12 @@ def _write(path: Path, key: str, entries: dict) -> None:
         raise LoracError(f"cannot write the tuning database {path}: {e.strerror}") from None
 
 
-def _fused_tasks(mod, target, tuner: Tuner) -> list:
+def _fused_tasks(mod, target, relax_passes: Callable) -> list:
     """The kernels ApplyTuned will see (the build's passes up to it, in its context), less
     those that come scheduled."""
     from .pipeline import build_passes
 
-    passes = build_passes(tuner.relax_passes(target))
+    passes = build_passes(relax_passes(target))
     upto = next(i for i, p in enumerate(passes) if p.info.name == "LoracApplyTuned")
     with target, tvm.transform.PassContext(opt_level=3):
         fused = tvm.transform.Sequential(passes[:upto])(mod)

@@ -19,7 +19,7 @@ from . import devices
 from .errors import LoracError
 from .export.onnx import GRAPHS
 from .files import respect_umask
-from .train.run import TrainConfig
+from .config import TrainConfig
 
 # the spellings of TRL's SFTConfig / transformers' TrainingArguments and PEFT's LoraConfig, as
 # aliases (any flag may also be written with underscores: --learning_rate)
@@ -160,7 +160,7 @@ def _engine_from_checkpoint(args):
     from lorac.graphs import ModelSpec, TrainSpec
 
     from .train.checkpoint import load_checkpoint
-    from .engine.tvm import make_engine
+    from .engine import make_engine
     from .model.source import resolve_model
     TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers).check_backend()
     lora, tcfg = None, {}

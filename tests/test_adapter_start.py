@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.train.run import TrainConfig, train
+from lorac.runtime.config import TrainConfig
+from lorac.runtime.train.run import train
 from tiny_model import make_model_dir
 
 pytest.importorskip("tvm")

@@ -79,7 +79,7 @@ def test_ort_backend_needs_neither_tvm_nor_torch(workdir):
 def test_ort_engine_agrees_with_the_tvm_engine(workdir):
     """eval, step, host-summed gradients (--grad-accum's path) into update, logits, state."""
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime.engine.tvm import make_engine
+    from lorac.runtime.engine import make_engine
     from lorac.runtime.train.optim import LoraPlusConfig
     from lorac.runtime.train.run import init_lora
     from lorac.runtime.model.weights import load_model
@@ -116,7 +116,7 @@ def test_ort_engine_agrees_with_the_tvm_engine(workdir):
 def test_providers_and_settings_are_checked_in_one_line():
     from lorac.runtime.engine.ort import resolve_providers
     from lorac.runtime.errors import LoracError
-    from lorac.runtime.train.run import TrainConfig
+    from lorac.runtime.config import TrainConfig
 
     have = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert resolve_providers("cuda, CPU", have) == have

@@ -13,7 +13,7 @@ from lorac.compiler import manifest as mf
 from lorac.core.keys import canonical, digest
 from lorac.core.loraplus import AdamWConstants
 from lorac.graphs import ModelSpec, TrainSpec
-from lorac.runtime.engine.tvm import Graphs, graph_key
+from lorac.runtime.engine.graphs import Graphs, graph_key
 from lorac.runtime.train.optim import SCHEDULE_FIELDS, LoraPlusConfig
 
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -131,6 +131,7 @@ def test_train_setting_reaches_the_training_steps_compile(tmp_path, monkeypatch)
     from tiny_model import make_model_dir
 
     from lorac.graphs import ModelSpec, TrainSpec
+    from lorac.runtime.engine import make_engine
     from lorac.runtime.engine import tvm as engine_mod
     from lorac.runtime.train.optim import LoraPlusConfig
     from lorac.runtime.model.weights import load_model
@@ -140,8 +141,8 @@ def test_train_setting_reaches_the_training_steps_compile(tmp_path, monkeypatch)
     cfg, weights = load_model(make_model_dir(tmp_path / "model"))
     spec = ModelSpec.from_hf_config(cfg)
     train = TrainSpec(batch=1, seq=8, lora_targets=tuple(spec.targets), rank=4, alpha=8.0)
-    eng = engine_mod.make_engine("tvm", spec, train, weights, "cpu", cache_dir=tmp_path,
-                                   optim_cfg=LoraPlusConfig(), log=lambda m: None, tune=16)
+    eng = make_engine("tvm", spec, train, weights, "cpu", cache_dir=tmp_path,
+                      optim_cfg=LoraPlusConfig(), log=lambda m: None, tune=16)
     for kind in ("train", "adamw", "eval"):
         eng.compile(kind)
     assert seen == {"train": 16, "adamw": 0, "eval": 0}

@@ -34,7 +34,7 @@ def test_cuda_tuning_needs_the_gpu_only_for_kernels_not_in_the_database(tmp_path
     _no_gpu(monkeypatch)
     mod, _, _, _ = lower_to_relax(small_training_graph(), target_cuda, "bfloat16")
     target = target_cuda.tvm_target({"kind": "cuda"})
-    tasks = tune._fused_tasks(mod, target, cuda_tune.TUNER)
+    tasks = tune._fused_tasks(mod, target, target_cuda.relax_passes)
     assert tasks and all(not tune._scheduled(t.dispatched[0]["main"]) for t in tasks)
 
     with pytest.raises(LoracError, match=r"^tuning cuda kernels needs the device they run on, and this machine "

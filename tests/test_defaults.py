@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lorac.runtime.cli import build_parser, train_config
 from lorac.runtime.train.optim import LoraPlusConfig
-from lorac.runtime.train.run import TrainConfig
+from lorac.runtime.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

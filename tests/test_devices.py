@@ -39,7 +39,7 @@ def test_train_with_opencl_is_refused_up_front_in_one_line(capsys):
         assert len(err) == 1 and err[0].startswith("lorac: error: --target opencl: its artifacts need a TVM runtime "
                                                    "built with OpenCL (USE_OPENCL=ON)"), err
     # compile-only builds for it; aarch64 is refused on another CPU the same way
-    from lorac.runtime.train.run import TrainConfig
+    from lorac.runtime.config import TrainConfig
     TrainConfig(target="opencl", compile_only=True).validate()
     import platform
     if platform.machine() not in ("aarch64", "arm64"):

@@ -196,7 +196,8 @@ def test_weighted_worker_gradients_sum_to_the_whole_batch_gradient(base):
     """The arithmetic of the all-reduce, in one process: the batch-4 step's loss and LoRA
     gradients against the two batch-2 steps of its halves, weighted by their counted tokens."""
     from lorac.runtime.dist import shard_rows
-    from lorac.runtime.train.run import Run, TrainConfig, init_lora
+    from lorac.runtime.config import TrainConfig
+    from lorac.runtime.train.run import Run, init_lora
     kw = dict(model=str(base / "model"), data=str(base / "corpus.jsonl"), batch=4, seq=32,
               cache_dir=str(base / "cache"), lora_targets=("q_proj", "v_proj", "down_proj"))
     whole, halves = (Run(TrainConfig(**kw, gpus=g), log=lambda m: None) for g in (0, 2))
@@ -254,7 +255,7 @@ def test_shards_weigh_their_counted_tokens():
 
 def test_gpus_without_mpi_or_uneven_batch_is_one_line(tmp_path):
     from lorac.runtime.cli import main
-    from lorac.runtime.train.run import TrainConfig
+    from lorac.runtime.config import TrainConfig
     from lorac.runtime.errors import LoracError
     with pytest.raises(LoracError, match="split evenly over --gpus 3"):
         TrainConfig(batch=4, gpus=3).validate()
@@ -284,7 +285,7 @@ def test_launcher_turns_mpi_failure_reports_into_one_line(tmp_path):
     """MPICH hydra's banner for a killed worker, as it prints it, becomes one line."""
     import io
     from lorac.runtime.dist.launch import Output, summary_line
-    from lorac.runtime.train.run import TrainConfig
+    from lorac.runtime.config import TrainConfig
     banner = ["", "=" * 83, "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "=   PID 15952 RUNNING AT vm",
               "=   EXIT CODE: 9", "=   CLEANING UP REMAINING PROCESSES", "=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES",
               "=" * 83, "[mpiexec@vm] Exit codes: [vm] 0,9",

@@ -21,7 +21,7 @@ def test_flat_graphs_equal_the_per_tensor_graphs(tmp_path, monkeypatch, layers, 
     from lorac.graphs import ModelSpec, TrainSpec, build_forward_graph, build_training_graph
     from lorac.graphs import flat_lora
     from lorac.graphs.optimizer import buckets, pack, unpack
-    from lorac.runtime.engine.tvm import _lora_shape
+    from lorac.runtime.engine.graphs import _lora_shape
     from lorac.runtime.train.run import init_lora
     from lorac.runtime.model.weights import load_model
 

@@ -261,7 +261,7 @@ def test_fuzz_toml_run_config(tmp_path):
     from dataclasses import fields
 
     from lorac.runtime.cli import build_parser, train_config
-    from lorac.runtime.train.run import TrainConfig
+    from lorac.runtime.config import TrainConfig
     rng = np.random.default_rng(SEED)
     keys = [f.name for f in fields(TrainConfig)] + ["stepz", "extra"]
     typed = {"int": [1, 3, 0, -2], "float": [1e-4, 0.5, -1.0], "bool": [True, False], "str": ["q_proj,v_proj", "0:1", "cpu"]}

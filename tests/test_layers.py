@@ -86,3 +86,74 @@ def test_compiler_and_runtime_list_targets_in_one_order():
     from lorac.core.constants import TARGET_ORDER
     from lorac.runtime.devices import targets
     assert FAMILIES == targets() == TARGET_ORDER
+
+
+def module_graph(layer: str) -> dict[str, set[str]]:
+    """Every module of lorac.<layer> -> the modules of that layer its source imports (anywhere
+    in it, also inside functions); `from . import x` counts x itself where x is a module."""
+    base = ROOT / layer
+    mods = {}
+    for path in sorted(base.rglob("*.py")):
+        parts = ["lorac", layer, *path.relative_to(base).with_suffix("").parts]
+        pkg = parts[:-1]
+        if parts[-1] == "__init__":
+            parts = pkg = parts[:-1]
+        mods[".".join(parts)] = (path, pkg)
+    graph = {}
+    for name, (path, pkg) in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = (".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+                          if node.level else node.module or "")
+                subs = [f"{target}.{a.name}" for a in node.names]
+                deps |= {s for s in subs if s in mods} or ({target} & set(mods))
+                if not any(s in mods for s in subs) and target in mods:
+                    deps.add(target)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names} & set(mods)
+        graph[name] = deps - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a module graph: its strongly connected components of more than one
+    module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_import_circles_inside_a_layer(layer):
+    found = circles(module_graph(layer))
+    assert not found, f"import circles in lorac.{layer}: {found}"
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

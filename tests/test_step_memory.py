@@ -99,7 +99,8 @@ def test_budget_sources():
 # -- how a run resolves the setting ------------------------------------------------------
 def _resolve(monkeypatch, free=None, **cfg):
     from lorac.runtime import devices
-    from lorac.runtime.train.run import Run, TrainConfig
+    from lorac.runtime.config import TrainConfig
+    from lorac.runtime.train.run import Run
 
     monkeypatch.setattr(devices.for_target("cuda"), "memory_free", lambda: free)
     spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
@@ -138,7 +139,7 @@ def test_resume_adopts_the_checkpoints_setting(monkeypatch):
 
 def test_flags_and_config_values():
     from lorac.runtime.cli import build_parser, train_config
-    from lorac.runtime.train.run import TrainConfig
+    from lorac.runtime.config import TrainConfig
 
     parse = lambda *a: train_config(build_parser().parse_args(["train", *a]))
     assert parse().checkpointing == "auto"

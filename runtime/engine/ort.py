@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from .. import devices
-from .tvm import Graphs
+from .graphs import Graphs
 from ..errors import LoracError
 
 

@@ -20,128 +20,16 @@ both share).
 """
 from __future__ import annotations
 
-import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from lorac.core import artifact_cache
 from lorac.core.dtypes import as_dtype
-from lorac.core.keys import digest, versions
-from lorac.core.loraplus import AdamWConstants
 
 from .. import devices
 from .artifact import load_artifact
+from .graphs import Graphs, compiled, graph_key
 from ..errors import LoracError
-
-
-BATCH_INPUTS = ("input_ids", "labels", "position_ids")  # what a batch feeds (position_ids: isolated packing)
-
-
-def graph_key(kind: str, *parts) -> str:
-    """Identity of a graph from what it is emitted from: `kind`, every field of each spec in
-    `parts` (lorac.core.keys.canonical: fields out of a dataclass's repr count too), lorac's
-    version and the source of core, graphs and compiler. A cached artifact is found without
-    re-emitting the graph, on any machine with the same sources (the runtime-only GPU machine
-    has neither the compiler nor lorac's onnx pin). TVM's version is not part of it: the
-    artifact is compiled once and may run under another TVM runtime that loads it."""
-    v = versions()
-    return digest(kind, v["lorac_version"], v["lorac_source"], *parts)
-
-
-def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log=None, cuda_graph: bool = False,
-             tune: int = 0):
-    """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss.
-    An entry that fails verification (core/artifact_cache.py) is rebuilt; one builder per entry at a
-    time (others wait for it and then find it built). cuda_graph: build with CUDA graphs
-    (inputs bound: compiler/target_cuda.binds_inputs); tune: MetaSchedule trials (compiler/tune.py;
-    the database lands in cache_dir/.lorac-tuning)."""
-    tuned = f"-tune{tune}" if tune else ""
-    art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}{tuned}-{key[:16]}"
-    if artifact_cache.problem(art) is None:
-        return art
-    log = log or (lambda msg: None)
-    with artifact_cache.build_lock(art, log):
-        bad = artifact_cache.problem(art)  # built by the process we waited for?
-        if bad is None:
-            return art
-        if bad != "missing":
-            log(f"cache entry {art.name} is unusable ({bad}); rebuilding it")
-        try:
-            from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
-        except ImportError as e:
-            why = "is missing" if bad == "missing" else f"is unusable ({bad})"
-            raise LoracError(f"cache entry {art} {why}, and this machine cannot compile it "
-                             f"({e}); compile it where lorac's compile extra is installed") from None
-        t0 = time.perf_counter()
-        model = build()
-        how = f", tuning {tune} trials first" if tune else ""
-        log(f"compiling the {kind} graph for {target} ({dtype}, {len(model.graph.node)} nodes{how}) ...")
-        compile_graph(model, target={"kind": target, "cuda_graph": True} if cuda_graph else target, out_dir=art,
-                      dtype=dtype, tune=tune, force=True)
-        log(f"compiled the {kind} graph in {time.perf_counter() - t0:.1f} s -> {art}")
-    return art
-
-
-class Graphs:
-    """What the engines of every backend share: the specs, the LoRA tensors' names and shapes,
-    the training graph's identity (what a checkpoint must match) and how each graph is emitted."""
-
-    def __init__(self, spec, train, target: str, dtype: str, cache_dir, optim_cfg, log, ranks: int = 1):
-        from lorac.graphs import lora_tensor_names
-        self.spec, self.train, self.target, self.dtype = spec, train, target, dtype
-        self.cache_dir, self.log = Path(cache_dir), log or (lambda msg: print(msg, file=sys.stderr))
-        self.names = lora_tensor_names(spec, train)
-        self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
-        self.optim_cfg = optim_cfg
-        # what a checkpoint must match: the scan chunk length changes how the Mamba scan is
-        # computed, not what, so a run may resume on a device whose default length differs; nor
-        # does splitting the batch over `ranks` data-parallel workers (the whole batch's graph)
-        same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"},
-                            batch=train.batch * ranks)
-        self.graph_hash = graph_key("train", spec, same_math)
-        self.grad_reducer = None  # data parallel: sums the flat gradients over the workers (distributed.py)
-
-    def _recipe(self, kind: str):
-        """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
-        "forward:B,S" (the forward graph for ids of shape [B, S])."""
-        from lorac.graphs import TrainSpec, build_eval_graph, build_forward_graph, build_training_graph
-        from lorac.graphs.optimizer import build_optimizer_graph
-        if kind in ("train", "eval"):
-            emit = build_training_graph if kind == "train" else build_eval_graph
-            return (lambda: emit(self.spec, self.train)), (self.spec, self.train), self.dtype
-        if kind == "adamw":  # lr and step are inputs; the graph is built from its key's constants alone
-            c = AdamWConstants.of(self.optim_cfg)
-            return (lambda: build_optimizer_graph(self.shapes, c)), (self.shapes, c), "float32"
-        # generation: one document a row, so the plain causal graph (no position_ids) is exact
-        b, s = (int(x) for x in kind.split(":")[1].split(","))
-        t = self.train
-        fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
-                        trained_layers=t.trained_layers, extra=t.extra)
-        return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
-
-    @staticmethod
-    def _missing_weights(wanted, have) -> None:
-        """One error when the model's weights lack an input (other than the batch's, LoRA) a graph takes."""
-        missing = [n for n in wanted if n not in have and n not in BATCH_INPUTS and "lora_" not in n]
-        if missing:
-            raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
-
-    def host(self, tensors: dict) -> dict:
-        """Numpy copies of a step's outputs (gradients summed over micro-batches on the host)."""
-        return {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in tensors.items()}
-
-    # a backend's set_state keeps the LoRA+ AdamW state as flat per-bucket device buffers
-    # (graphs/optimizer.Bucket): _buckets, _p, _m, _v (each {bucket key: tensor with .numpy()});
-    # its `lora` property is what its step, eval_loss and logits take (the current LoRA tensors)
-
-    def state_numpy(self):
-        """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
-        from lorac.graphs.optimizer import unpack
-        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
-        return get(self._p), get(self._m), get(self._v)
 
 
 class Engine(Graphs):
@@ -320,25 +208,3 @@ def memory_summary(manifest: dict, lora_shapes: dict, device: str) -> str:
             f"weights {gb(frozen)}, LoRA tensors + gradients + AdamW moments {gb(state)}; total "
             f"{gb(plan + frozen + state)} before library workspaces (--checkpointing and --keep-layers trade "
             "activation memory for time)")
-
-
-def _lora_shape(spec, train, name: str) -> tuple[int, int]:
-    target = name.split(".lora_")[0].rsplit(".", 1)[1]
-    out, inp = spec.proj_shape(target)
-    return (train.rank, inp) if ".lora_A." in name else (out, train.rank)
-
-
-def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
-                cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, providers=None,
-                ranks: int = 1, tune: int = 0):
-    """The engine of `backend`: "tvm" (compiled artifacts) or "ort" (onnxruntime, `providers`);
-    `ranks` data-parallel workers (distributed.py) and `tune` MetaSchedule trials on the TVM backend."""
-    if backend == "ort":
-        if ranks > 1:
-            raise LoracError("data-parallel training (--gpus, mpiexec) runs on --backend tvm")
-        from .ort import OrtEngine
-        return OrtEngine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, providers=providers)
-    if providers:
-        raise LoracError("--ort-providers is for --backend ort")
-    return Engine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, cuda_graph=cuda_graph, ranks=ranks,
-                  tune=tune)

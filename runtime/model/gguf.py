@@ -16,9 +16,11 @@ files are written without it (llama.cpp runs those with the NeoX, i.e. HF, rotat
 
 import numpy as np
 
+from lorac.core.dtypes import as_dtype
+
 from ..errors import LoracError
+from .checks import check_weights
 from .gguf_quant import dequantize
-from .weights import as_dtype, check_weights
 
 # Tensors llama.cpp writes that carry no weights HF has: rope_freqs holds llama-3 style
 # RoPE scaling factors, which lorac does not implement, so a file with it is refused.

@@ -21,6 +21,7 @@ import numpy as np
 from lorac.core.dtypes import as_dtype  # noqa: F401 (callers import it from here too)
 
 from ..errors import LoracError
+from .checks import check_weights, required_tensors  # noqa: F401 (callers import them from here too)
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16",
@@ -133,27 +134,6 @@ def _load_sharded(model_dir, index, dtype):
             raise LoracError(f"{index}: shard {shard} is missing")
         weights.update(load_safetensors(path, dtype, names))
     return weights
-
-
-def required_tensors(config: dict) -> list:
-    """The HF tensor names a model of this config must have (asked of its family)."""
-    from lorac.graphs.families import for_model_type
-    return for_model_type(config.get("model_type")).required_tensors(config)
-
-
-def check_weights(config, weights, source):
-    """Raise a LoracError naming the first tensor the config needs and the weights lack."""
-    from lorac.graphs.families import model_types
-    if config.get("model_type") not in model_types():
-        return  # a family lorac does not train: ModelSpec refuses it with its own message
-    layers = config.get("num_hidden_layers", 0)
-    if not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= len(weights):
-        # (each layer holds at least one tensor: a larger count cannot match these weights)
-        raise LoracError(f"{source}: config num_hidden_layers={layers!r} does not fit the {len(weights)} tensors "
-                         "of the weights (a positive integer expected)")
-    missing = [n for n in required_tensors(config) if n not in weights]
-    if missing:
-        raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
 
 
 def weight_files(path) -> list:

@@ -21,7 +21,7 @@ from ..errors import LoracError
 
 def check(ck, cfg, data_digest: str) -> None:
     """Refuse to resume checkpoint `ck` with other training data or optimizer settings."""
-    from .run import TrainConfig
+    from ..config import TrainConfig
     saved = ck.state.get("train_config") or {}
     for key in TrainConfig.optimizer_settings():
         old, new = saved.get(key), getattr(cfg, key)

@@ -12,202 +12,16 @@ import math
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from lorac.core.constants import CACHE_DIR
-from lorac.core.settings import like, setting
-from lorac.graphs import families
-from lorac.graphs.spec import PACKINGS
-
 from .. import devices
 from ..errors import LoracError
 from ..files import respect_umask
-from .optim import LoraPlusConfig
+from ..config import CPU, TrainConfig
 from .report import Report, compile_all
-
-CPU = "cpu"  # the default --target: every machine has one
-CHECKPOINTING = ("auto", "on", "off")
-
-
-@dataclass
-class TrainConfig:
-    """Every setting of `lorac train`, one field each: its default, its reason (a comment) and
-    its help line live here and nowhere else (the CLI makes one flag per field, --help shows
-    the defaults; the optimizer's fields come from LoraPlusConfig, runtime/train/optim.py)."""
-    model: str | None = setting(
-        None, "HF model directory, .gguf file, or hub id ORG/NAME (ORG/NAME:Q4_K_M for a GGUF repo; the local HF "
-        "cache first) (default: the bundled SmolLM2-135M-Instruct)")
-    data: str | None = setting(
-        None, "training data: .txt, .jsonl/.json (text, prompt/completion, chat messages, alpaca, sharegpt), "
-        ".parquet/.arrow, a dataset folder, or a hub dataset ORG/NAME[:SPLIT] (default: the bundled Jargon File "
-        "Q&A corpus)")
-    eval_data: str | None = setting(None, "held-out data file (default: every 1/eval-fraction-th document of --data)")
-    out: str = setting("lorac-out", "output directory: metrics.jsonl, loss.png, checkpoints/, adapter/ (locked "
-                       "while a run writes there)")
-    # 40 steps of 4x128 tokens: the bundled demo shows its loss fall in a few minutes on a laptop CPU
-    steps: int = setting(40, "optimizer steps")
-    batch: int = setting(4, "sequences per micro-batch; with --gpus N, of all workers together "
-                         "(--per-device-train-batch-size: per worker, as in TRL)")
-    seq: int = setting(128, "tokens per sequence")
-    # "auto": isolated where the family has it, plain for Mamba and on cuda (resolve_packing; docs/DATA.md)
-    packing: str = setting("auto", "how documents share a packed row: isolated (each attends only within itself "
-                           "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
-                           "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "
-                           "attention is not yet on cuDNN (docs/DATA.md)")
-    rank: int = setting(16, "LoRA rank r")
-    alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
-    rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
-    # None: every linear layer of the family (QLoRA/LoRA+ practice). Named lora_targets (as
-    # TrainSpec's) so it is not one letter from `target`, the device; the flag stays --targets
-    lora_targets: tuple[str, ...] | None = setting(
-        None, "comma-separated LoRA targets (default: every linear layer of the model's family: "
-        + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
-        flag="--targets")
-    trained_layers: str | None = setting(None, "adapt only layers A:B, or the layers i,j,k (no backward below the "
-                                         "first)")  # "A:B": layers A..B-1 only (frozen prefix below A)
-    lr: float = like(LoraPlusConfig, "lr", optimizer=True)
-    loraplus_ratio: float = like(LoraPlusConfig, "loraplus_ratio", optimizer=True)
-    warmup: int = like(LoraPlusConfig, "warmup_steps", optimizer=True)
-    weight_decay: float = like(LoraPlusConfig, "weight_decay", optimizer=True)
-    max_grad_norm: float = like(LoraPlusConfig, "max_grad_norm", optimizer=True)
-    grad_accum: int = setting(1, "micro-batches per optimizer step")
-    target: str = setting(CPU, f"where to train: {', '.join(devices.targets())} (runtime/devices/; docs/TARGETS.md: "
-                          "a target whose runtime this machine lacks is refused at once, and --compile-only builds "
-                          "for any)")
-    dtype: str | None = setting(None, "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend "
-                                "ort: float32)")
-    backend: str = setting("tvm", "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install "
-                           "'lorac[ort]')")  # "ort": engine_ort.py
-    ort_providers: str | None = setting(
-        None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
-        "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
-    # "auto": the fastest setting whose estimated memory fits the GPU (runtime/train/memory.py);
-    # a bare --checkpointing means on, as when the flag was a switch
-    checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, or "
-                                 "auto: on cuda the fastest setting (none, or the most --keep-layers) whose "
-                                 "estimated memory fits the GPU's free memory or --memory-budget; off elsewhere "
-                                 "(docs/RUNTIME.md)", bare="on")
-    keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
-                               "(faster, more memory); given alone, turns checkpointing on")
-    memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
-                                          "(default: the GPU's free memory less a reserve)", type=float)
-    loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
-                              "logits fit 1.5 GiB)")
-    scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
-                              "graphs/mamba.py DEVICE_CHUNK)")
-    eval_every: int = setting(10, "steps between evals")
-    eval_batches: int = setting(4, "batches per eval (0: no eval)")
-    save_every: int = setting(20, "steps between checkpoints")
-    keep_checkpoints: int = setting(2, "checkpoints kept")
-    seed: int = setting(0, "random seed (LoRA init and data order)")
-    resume: str | None = setting(None, "continue from a checkpoint directory (or OUT/checkpoints)")
-    adapter: str | None = setting(None, "start from this PEFT adapter directory (its rank, alpha, targets and "
-                                  "layers replace --rank, --alpha, --targets, --trained-layers)")
-    cache_dir: str = setting(CACHE_DIR, "compiled-artifact cache")
-    eval_fraction: float = setting(0.05, "share of documents held out for eval")
-    sample_prompt: str | None = setting(None, "prompt for the before/after sample (default: one from the eval data)")
-    sample_tokens: int = setting(32, "tokens generated for the sample (0: no sample)")
-    compile_only: bool = setting(False, "compile every graph of the run for --target into --cache-dir and stop; "
-                                 "copy the cache to the machine that trains (it needs no compiler then)")
-    tune: int = setting(0, "MetaSchedule trials for the training step's TVM kernels, cpu or cuda (0: default "
-                        "schedules; cuda tunes on this machine's GPU and needs nvcc; the database under "
-                        "--cache-dir is reused by later runs; docs/COMPILER.md, Tuning)")
-    no_cuda_graph: bool = setting(False, "cuda: run the training step as plain VM calls instead of CUDA graphs "
-                                  "(graphs cut the host's work per step from ~15,000 calls to a few hundred)")
-    progress: str = setting("auto", "auto (a bar on a terminal, a line per step elsewhere), bar or lines")
-    report_to: str = setting("none", "none, or tensorboard (scalars to OUT/runs; pip install "
-                             "'lorac[tensorboard]')")
-    # 0: one process, or the MPI job's workers when started under mpiexec (runtime/dist/launch.py)
-    gpus: int = setting(0, "data-parallel workers on this host: N processes through mpiexec, one per GPU with "
-                        "--target cuda (CPU processes with --target cpu); --batch is the global batch, split over "
-                        "them; several hosts: docs/DISTRIBUTED.md (pip install 'lorac[distributed]')")
-    # 600 s: torch's NCCL default
-    dist_timeout: float = setting(600.0, "seconds a worker waits for the others in a collective before the run "
-                                  "stops with an error")
-    extra: dict = setting(help="settings without a flag (API use)", factory=dict)
-
-    @classmethod
-    def optimizer_settings(cls) -> tuple[str, ...]:
-        """The fields that shape the optimizer's trajectory (a resumed run must keep them)."""
-        return tuple(f.name for f in fields(cls) if f.metadata.get("optimizer"))
-
-    def optim_config(self) -> LoraPlusConfig:
-        """The run's LoraPlusConfig (total_steps: --steps; the rest at LoraPlusConfig's defaults)."""
-        return LoraPlusConfig(lr=self.lr, loraplus_ratio=self.loraplus_ratio, weight_decay=self.weight_decay,
-                              max_grad_norm=self.max_grad_norm, warmup_steps=self.warmup, total_steps=self.steps)
-
-    def validate(self):
-        for key in ("steps", "batch", "seq", "rank", "grad_accum", "eval_every", "save_every", "eval_batches"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "eval_batches" else 1):
-                raise LoracError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
-        for key in ("lr", "alpha", "loraplus_ratio", "weight_decay", "max_grad_norm", "eval_fraction"):
-            v = getattr(self, key)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise LoracError(f"--{key.replace('_', '-')} must be a finite number, got {v!r}")
-        if self.lr <= 0 or self.alpha <= 0 or self.loraplus_ratio <= 0:
-            raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
-        if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
-            raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
-        if isinstance(self.checkpointing, bool):  # configs and checkpoints from when it was a switch
-            self.checkpointing = "on" if self.checkpointing else "off"
-        if self.checkpointing not in CHECKPOINTING:
-            raise LoracError(f"--checkpointing must be auto, on or off, got {self.checkpointing!r}")
-        if not isinstance(self.keep_layers, int) or isinstance(self.keep_layers, bool) or self.keep_layers < 0:
-            raise LoracError(f"--keep-layers must be an integer >= 0, got {self.keep_layers!r}")
-        if self.keep_layers and self.checkpointing == "off":
-            raise LoracError("--keep-layers keeps some layers' activations under checkpointing; with "
-                             "--checkpointing off every layer keeps them")
-        if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or not isinstance(
-                self.memory_budget, (int, float)) or not 0 < self.memory_budget < math.inf):
-            raise LoracError(f"--memory-budget must be a positive number of GB, got {self.memory_budget!r}")
-        if not isinstance(self.tune, int) or isinstance(self.tune, bool) or self.tune < 0:
-            raise LoracError(f"--tune must be an integer >= 0 (0: no tuning), got {self.tune!r}")
-        if self.tune and (self.backend != "tvm" or self.target not in ("cpu", "cuda")):
-            raise LoracError(f"--tune tunes TVM's kernels for --target cpu or cuda, not --backend {self.backend} "
-                             f"--target {self.target}")
-        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0:
-            raise LoracError(f"--gpus must be an integer >= 0, got {self.gpus!r}")
-        if self.gpus > 1 and self.batch % self.gpus:
-            raise LoracError(f"--batch {self.batch} is the global batch and must split evenly over --gpus {self.gpus}")
-        if not isinstance(self.dist_timeout, (int, float)) or not 0 < self.dist_timeout < math.inf:
-            raise LoracError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
-        if not 0 <= self.eval_fraction < 1:
-            raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
-        if self.packing not in ("auto",) + PACKINGS:
-            raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
-        from .report import check_report_settings
-        check_report_settings(self.progress, self.report_to)
-        self.check_backend()
-
-    def check_backend(self):
-        """--target, --backend and --ort-providers, before anything loads: a target this machine
-        cannot train on is one line here (runtime/devices/), not an error deep inside TVM."""
-        if self.backend not in ("tvm", "ort"):
-            raise LoracError(f"--backend must be tvm or ort, got {self.backend!r}")
-        devices.for_target(self.target)  # an unknown target: one line naming the known ones
-        if self.backend == "ort":
-            if self.compile_only:
-                raise LoracError("--compile-only fills the TVM artifact cache; --backend ort compiles nothing ahead")
-        elif self.ort_providers:
-            raise LoracError("--ort-providers is for --backend ort")
-        elif not self.compile_only:
-            devices.check_trainable(self.target)
-
-    def layer_range(self, n_layers: int):
-        if not self.trained_layers:
-            return None
-        try:
-            if ":" not in self.trained_layers:  # a list of layers, as an adapter's layers_to_transform
-                return tuple(int(x) for x in self.trained_layers.split(","))
-            lo, hi = (int(x) if x else d for x, d in zip(self.trained_layers.split(":"), (0, n_layers)))
-        except ValueError:
-            raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
-        return range(lo, hi)
-
 
 def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
     """--packing auto (or None) -> "isolated" where the model family implements it and the
@@ -297,7 +111,7 @@ class Run:
         self.eval_path = eval_path
         self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
         self.optim_cfg = cfg.optim_config()
-        from ..engine.tvm import make_engine
+        from ..engine import make_engine
         if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
             from ..devices.cpu.gemm import blas_info
             self.log(f"cpu GEMMs: {blas_info()}")

@@ -63,7 +63,7 @@ def tune(mod, target, trials: int, cache_dir):
     from .tune import TUNER
     from ...tune import tune as ms_tune
 
-    return ms_tune(mod, target, trials, cache_dir, TUNER)
+    return ms_tune(mod, target, trials, cache_dir, TUNER, relax_passes)
 
 
 def relax_passes(target) -> list:

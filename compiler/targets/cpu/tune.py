@@ -30,11 +30,6 @@ def _load(mods, target) -> list:
     return [_tune.attempt(tvm.tirx.build, m, target) for m in mods]
 
 
-def _relax_passes(target):
-    from . import relax_passes
-    return relax_passes(target)
-
-
-TUNER = _tune.Tuner(name="cpu", rules="llvm", relax_passes=_relax_passes, tuning_target=tuning_target,
+TUNER = _tune.Tuner(name="cpu", rules="llvm", tuning_target=tuning_target,
                     default_schedule=_default_schedule, device=_device, load=_load)
 DATABASE = TUNER.database

@@ -13,12 +13,12 @@ needs only the driver, libcudart and libcublas.
 from __future__ import annotations
 
 import hashlib
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 from lorac.core.errors import LoracError
+
+from .fatbin import DEFAULT_ARCH, _nvcc, compile_fatbin, cuda_sources  # noqa: F401 - target interface
+from .schedule import first_rules
 
 FAMILY = "cuda"
 DEVICE = "cuda"
@@ -28,7 +28,6 @@ ARENA_PLAN = True  # one arena for the planned tensors (compiler/memory_plan.py)
 # TVM's add kernels run on every core and numpy's accumulate would run on one
 ACCUMULATING_GEMMS = True
 DTYPES = ("float32", "bfloat16")
-DEFAULT_ARCH = "sm_90"
 
 
 def tvm_target(request: dict):
@@ -74,10 +73,6 @@ def native_units(dtype: str) -> dict:
     return {**attention(), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16"), **adamw()}
 
 
-def _nvcc() -> str | None:
-    return shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
-
-
 def check_environment(request: dict) -> None:
     if _nvcc() is None:
         raise LoracError("target cuda needs nvcc (the CUDA toolkit) on the compiling machine "
@@ -88,20 +83,13 @@ def prepare(mod):
     return mod
 
 
-def first_rules() -> tuple:
-    """lorac's CUDA schedule rules, tried before DLight's (gpu_schedule.py)."""
-    from .._gpu_schedule import VectorizedElementwise, WarpRowReduction
-
-    return (VectorizedElementwise(), WarpRowReduction())
-
-
 def tune(mod, target, trials: int, cache_dir):
     """--tune: MetaSchedule on this machine's GPU for the kernels TVM generates, records kept
     in cache_dir (tune.py, cuda_tune.py)."""
     from .tune import TUNER
     from ...tune import tune as ms_tune
 
-    return ms_tune(mod, target, trials, cache_dir, TUNER)
+    return ms_tune(mod, target, trials, cache_dir, TUNER, relax_passes)
 
 
 def relax_passes(target) -> list:
@@ -118,32 +106,6 @@ def relax_passes(target) -> list:
     return (cuda.library_dispatch_passes(target)
             + legalize_passes(target, first_rules(), tuned=ApplyTuned(target, TUNER))
             + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
-
-
-def cuda_sources(ex) -> list[str]:
-    """CUDA source of every CUDA module imported by the built library (a VM executable or
-    a runtime module)."""
-    import tvm
-    found, stack = [], [ex if isinstance(ex, tvm.runtime.Module) else ex.mod]
-    while stack:
-        m = stack.pop()
-        if m.kind == "cuda":
-            found.append(m.inspect_source("cuda"))
-        stack.extend(m.imports)
-    return found
-
-
-def compile_fatbin(source: str, arch: str, out: Path) -> None:
-    cc = arch.removeprefix("sm_")
-    with tempfile.TemporaryDirectory() as tmp:
-        cu = Path(tmp) / "kernels.cu"
-        cu.write_text(source)
-        cmd = [_nvcc(), "--fatbin", "-O3", "-std=c++17",
-               f"-gencode=arch=compute_{cc},code=sm_{cc}", f"-gencode=arch=compute_{cc},code=compute_{cc}",
-               "-o", str(out), str(cu)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise LoracError(f"nvcc failed on TVM's CUDA kernels: {r.stderr.strip()[-600:]}")
 
 
 def export(ex, art_dir: Path, target) -> dict:

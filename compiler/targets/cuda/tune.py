@@ -31,7 +31,7 @@ def tuning_target(target):
 
 def _default_schedule(mod, target):
     from .._gpu_generic import default_schedules
-    from . import first_rules
+    from .schedule import first_rules
 
     with target:
         return default_schedules(first_rules())(mod)
@@ -47,12 +47,12 @@ def _device():
 
 
 def _arch(target) -> str:
-    from . import DEFAULT_ARCH
+    from .fatbin import DEFAULT_ARCH
     return str(target.attrs.get("arch", DEFAULT_ARCH))
 
 
 def _fatbin(source: str, arch: str) -> bytes:
-    from . import compile_fatbin
+    from .fatbin import compile_fatbin
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.fatbin"
         compile_fatbin(source, arch, out)
@@ -66,7 +66,7 @@ def _load(mods, target) -> list:
 
     from lorac.core import cuda_kernels
 
-    from . import cuda_sources
+    from .fatbin import cuda_sources
 
     arch = _arch(target)
     cuda_kernels.add({}, compile_missing=lambda src: _fatbin(src, arch))
@@ -88,11 +88,6 @@ def _load(mods, target) -> list:
     return out
 
 
-def _relax_passes(target):
-    from . import relax_passes
-    return relax_passes(target)
-
-
-TUNER = _tune.Tuner(name="cuda", rules="cuda", relax_passes=_relax_passes, tuning_target=tuning_target,
+TUNER = _tune.Tuner(name="cuda", rules="cuda", tuning_target=tuning_target,
                     default_schedule=_default_schedule, device=_device, load=_load)
 DATABASE = TUNER.database
