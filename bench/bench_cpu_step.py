@@ -25,7 +25,7 @@ from h200_check import device_inputs  # noqa: E402 - the same deterministic inpu
 from lorac.compiler import compile_graph  # noqa: E402
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph  # noqa: E402
 from lorac.runtime.engine.artifact import load_artifact  # noqa: E402
-from lorac.runtime.devices.cpu.gemm import blas_info  # noqa: E402
+from lorac.runtime.devices.cpu.blas import blas_info  # noqa: E402
 
 CASES = {
     "qwen3-40m": dict(arch="qwen3", vocab=32000, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64,

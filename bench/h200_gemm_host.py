@@ -33,7 +33,7 @@ def main() -> None:
 
     from lorac.runtime.devices.cuda import loader as cuda_loader
     from lorac.runtime.engine import gemm
-    from lorac.runtime.devices.cuda import gemm as gemm_cuda
+    from lorac.runtime.devices.cuda import cublas as gemm_cuda
 
     cuda_loader._ensure_cuda_device_api()
     gemm.register()

@@ -12,7 +12,7 @@ nothing. The module comes back with the database's path as an attribute; ApplyTu
 target's relax_passes before its default schedules, gives the kernels with a kept record
 their tuned schedule, and the default rules the others.
 
-What differs per target is a `Tuner` (cpu_tune.py, cuda_tune.py): MetaSchedule's rule set,
+What differs per target is a `Tuner` (targets/cpu/tuning.py, targets/cuda/tuning.py): MetaSchedule's rule set,
 the default schedule a candidate must beat, the device that times candidates and how a
 candidate becomes runnable code (CUDA: nvcc, in parallel).
 

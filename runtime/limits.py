@@ -79,7 +79,7 @@ def gpu_memory_info() -> tuple[int, int] | None:
     """(free, total) bytes on the current CUDA device (cudaMemGetInfo), or None without a usable GPU."""
     import ctypes
     try:
-        from .devices.cuda.gemm import load_library
+        from .devices.cuda.cublas import load_library
         cudart = load_library("libcudart")
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:

@@ -89,7 +89,7 @@ def test_clear_errors(tmp_path):
 # down; the parent kills it with SIGKILL right after the k-th announcement.
 CHILD = textwrap.dedent("""
     import sys, time
-    from lorac.runtime import checkpoint as ck
+    from lorac.runtime.train import checkpoint as ck
     sys.path.insert(0, {tests!r})
     from test_checkpoint import tensors
     root = sys.argv[1]
@@ -191,7 +191,7 @@ def test_pruning_goes_by_step_and_counts_only_complete_checkpoints(tmp_path):
 
 PRUNE_CHILD = textwrap.dedent("""
     import os, sys, time
-    from lorac.runtime import checkpoint as ck
+    from lorac.runtime.train import checkpoint as ck
     sys.path.insert(0, {tests!r})
     from test_checkpoint import tensors
     root = sys.argv[1]
@@ -222,7 +222,7 @@ def test_kill_while_pruning_leaves_only_whole_checkpoints(tmp_path):
 DISK_FULL_CHILD = textwrap.dedent("""
     import resource, signal, sys
     import numpy as np
-    from lorac.runtime import checkpoint as ck
+    from lorac.runtime.train import checkpoint as ck
     from lorac.runtime.errors import LoracError
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
     big = {name.format("A"): np.ones((64, 512), np.float32), name.format("B"): np.ones((512, 64), np.float32)}

@@ -73,12 +73,12 @@ def test_blas_info_names_the_kernel_family_openblas_runs():
     import subprocess
     import sys
 
-    from lorac.runtime.devices.cpu.gemm import _openblas_libs, blas_info
+    from lorac.runtime.devices.cpu.blas import _openblas_libs, blas_info
 
     if not _openblas_libs():
         assert blas_info().startswith("not OpenBLAS")
         pytest.skip("numpy here does not use OpenBLAS")
-    code = "from lorac.runtime.devices.cpu.gemm import blas_info; print(blas_info())"
+    code = "from lorac.runtime.devices.cpu.blas import blas_info; print(blas_info())"
     forced = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPENBLAS_CORETYPE": "Haswell"},
                             capture_output=True, text=True, check=True).stdout
     assert "core=Haswell" in forced and "(OPENBLAS_CORETYPE=Haswell)" in forced

@@ -12,7 +12,7 @@ import pytest
 
 from _compiler_graphs import assert_outputs_close, random_inputs, saved_training_graph
 from lorac.compiler import compile_graph
-from lorac.compiler.targets.cpu import tune as cpu_tune
+from lorac.compiler.targets.cpu import tuning as cpu_tune
 from lorac.compiler import tune
 from lorac.compiler.cli import compile_command
 from lorac.runtime.engine.artifact import load_artifact

@@ -1,4 +1,4 @@
-"""`--tune` on the CUDA target (compiler/targets/cuda/tune.py) without a GPU: the kernels to tune are
+"""`--tune` on the CUDA target (compiler/targets/cuda/tuning.py) without a GPU: the kernels to tune are
 the fused kernels the build schedules itself (lorac's own TIR units are not), a machine with
 no GPU is refused only while kernels are missing from the database, and, where nvcc exists,
 the whole path with stand-in timings: candidates built through nvcc, the database written
@@ -16,7 +16,7 @@ import pytest
 
 from _compiler_graphs import saved_training_graph, small_training_graph
 from lorac.compiler import compile_graph
-from lorac.compiler.targets.cuda import tune as cuda_tune
+from lorac.compiler.targets.cuda import tuning as cuda_tune
 from lorac.compiler.targets import cuda as target_cuda
 from lorac.compiler import tune
 from lorac.runtime.errors import LoracError

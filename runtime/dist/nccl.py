@@ -1,7 +1,7 @@
 """NCCL through ctypes: the GPU gradient all-reduce of data-parallel training (no torch, no cupy).
 
 The library is the `nvidia-nccl-cu13` wheel's libnccl.so.2 (found like cuBLAS in
-runtime/devices/cuda/gemm.py). Bootstrap: rank 0 makes an ncclUniqueId (128 opaque bytes), MPI
+runtime/devices/cuda/cublas.py). Bootstrap: rank 0 makes an ncclUniqueId (128 opaque bytes), MPI
 broadcasts it, every worker joins with ncclCommInitRank on its GPU (runtime/dist/__init__.py
 picks it: the local rank). Each step every flat gradient group is all-reduced in place on
 TVM's current stream of that GPU (the one the training step's kernels ran on), inside one
@@ -104,7 +104,7 @@ class Nccl:
 
 def load(path: str | None = None) -> Nccl:
     """libnccl from the nvidia-nccl wheel (any site dir), CUDA_HOME or the loader path, or `path`."""
-    from ..devices.cuda.gemm import _candidates
+    from ..devices.cuda.cublas import _candidates
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     tried = [path] if path else _candidates("libnccl")
     for p in tried:
@@ -120,7 +120,7 @@ class _Cudart:
     NOT_READY = 600  # cudaErrorNotReady
 
     def __init__(self):
-        from ..devices.cuda.gemm import load_library
+        from ..devices.cuda.cublas import load_library
         lib = self.lib = load_library("libcudart")
         for name, args in (("cudaSetDevice", [_i]), ("cudaEventCreateWithFlags", [ctypes.POINTER(_p), ctypes.c_uint]),
                            ("cudaEventRecord", [_p, _p]), ("cudaEventQuery", [_p]), ("cudaEventDestroy", [_p])):

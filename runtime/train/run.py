@@ -113,7 +113,7 @@ class Run:
         self.optim_cfg = cfg.optim_config()
         from ..engine import make_engine
         if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
-            from ..devices.cpu.gemm import blas_info
+            from ..devices.cpu.blas import blas_info
             self.log(f"cpu GEMMs: {blas_info()}")
         self.engine = make_engine(cfg.backend, self.spec, self.train_spec, weights, cfg.target, cfg.dtype,
                                   cfg.cache_dir, self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph,

@@ -10,7 +10,7 @@ from .._common import export_shared_library as export  # noqa: F401 - target int
 
 FAMILY = "cpu"
 DEVICE = "cpu"
-GEMM_LIBRARY = True  # numpy's BLAS through lorac.runtime.devices.cpu.gemm
+GEMM_LIBRARY = True  # numpy's BLAS through lorac.runtime.devices.cpu.blas
 ARENA_PLAN = True  # one arena for the planned tensors (compiler/memory_plan.py)
 DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
 
@@ -60,7 +60,7 @@ def check_environment(request: dict) -> None:
 
 def tune(mod, target, trials: int, cache_dir):
     """--tune: MetaSchedule for the non-GEMM kernels, records kept in cache_dir (tune.py)."""
-    from .tune import TUNER
+    from .tuning import TUNER
     from ...tune import tune as ms_tune
 
     return ms_tune(mod, target, trials, cache_dir, TUNER, relax_passes)
@@ -72,7 +72,7 @@ def relax_passes(target) -> list:
     from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
     from .schedule import ParallelizeCPU
-    from .tune import TUNER
+    from .tuning import TUNER
     from ...tune import ApplyTuned
 
     return (cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)

@@ -22,7 +22,7 @@ from .schedule import first_rules
 
 FAMILY = "cuda"
 DEVICE = "cuda"
-GEMM_LIBRARY = True  # cuBLAS through lorac.runtime.devices.cuda.gemm
+GEMM_LIBRARY = True  # cuBLAS through lorac.runtime.devices.cuda.cublas
 ARENA_PLAN = True  # one arena for the planned tensors (compiler/memory_plan.py)
 # sums of GEMM results as one cuBLAS chain with beta = 1 (gemm_sum.py); not on the CPU, where
 # TVM's add kernels run on every core and numpy's accumulate would run on one
@@ -40,7 +40,7 @@ def tvm_target(request: dict):
 def pass_config(request: dict) -> dict:
     """{"kind": "cuda", "cuda_graph": True}: TVM's RewriteCUDAGraph lifts the static parts of
     the step into CUDA graphs captured on the first call and replayed after; the cuBLAS
-    calls join TVM's capture stream (runtime/devices/cuda/gemm.py), so replays skip Python."""
+    calls join TVM's capture stream (runtime/devices/cuda/cublas.py), so replays skip Python."""
     return {"relax.backend.use_cuda_graph": binds_inputs(request)}
 
 
@@ -85,8 +85,8 @@ def prepare(mod):
 
 def tune(mod, target, trials: int, cache_dir):
     """--tune: MetaSchedule on this machine's GPU for the kernels TVM generates, records kept
-    in cache_dir (tune.py, cuda_tune.py)."""
-    from .tune import TUNER
+    in cache_dir (compiler/tune.py, tuning.py)."""
+    from .tuning import TUNER
     from ...tune import tune as ms_tune
 
     return ms_tune(mod, target, trials, cache_dir, TUNER, relax_passes)
@@ -99,7 +99,7 @@ def relax_passes(target) -> list:
     gpu_generic.py), lower."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
-    from .tune import TUNER
+    from .tuning import TUNER
     from .._gpu_generic import legalize_passes
     from ...tune import ApplyTuned
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 
-from .gemm import gemm  # noqa: F401 - the device interface's GEMM library
+from .blas import gemm  # noqa: F401 - the device interface's GEMM library
 
 NAME = "cpu"
 ORDER = 0

@@ -4,7 +4,7 @@ bf16 attention on cuDNN's fused SDPA (attention_cuda.py), the training step as C
 graphs (compiler/target_cuda.binds_inputs)."""
 from __future__ import annotations
 
-from .gemm import gemm  # noqa: F401 - the device interface's GEMM library
+from .cublas import gemm  # noqa: F401 - the device interface's GEMM library
 
 NAME = "cuda"
 ORDER = 1

@@ -75,7 +75,7 @@ def _init() -> None:
     global _cudnn, _handle, _get_stream
     if _handle is not None:
         return
-    from .gemm import load_library
+    from .cublas import load_library
     for name in ("libcudart", "libcublasLt", "libnvrtc"):  # cuDNN's engines load these by soname
         try:
             load_library(name)
