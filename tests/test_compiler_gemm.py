@@ -66,27 +66,6 @@ def test_folded_transposes_are_not_emitted_and_numbers_match():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-def test_blas_info_names_the_kernel_family_openblas_runs():
-    """blas_info reports OpenBLAS's kernel family, and says when OPENBLAS_CORETYPE forced it
-    (a forced older family halves GEMM speed: docs/BENCHMARKS.md)."""
-    import os
-    import subprocess
-    import sys
-
-    from lorac.runtime.devices.cpu.blas import _openblas_libs, blas_info
-
-    if not _openblas_libs():
-        assert blas_info().startswith("not OpenBLAS")
-        pytest.skip("numpy here does not use OpenBLAS")
-    code = "from lorac.runtime.devices.cpu.blas import blas_info; print(blas_info())"
-    forced = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPENBLAS_CORETYPE": "Haswell"},
-                            capture_output=True, text=True, check=True).stdout
-    assert "core=Haswell" in forced and "(OPENBLAS_CORETYPE=Haswell)" in forced
-    free = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}
-    own = subprocess.run([sys.executable, "-c", code], env=free, capture_output=True, text=True, check=True).stdout
-    assert "core=" in own and "OPENBLAS_CORETYPE" not in own
-
-
 def test_sums_of_gemms_become_one_accumulating_call():
     """compiler/passes/gemm_sum.py: (x W^T + u B^T) + z Vᵀ folds into one lorac.gemm_acc_ call when
     every GEMM result is read only by the sum; a GEMM read elsewhere too keeps its own call

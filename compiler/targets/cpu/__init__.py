@@ -10,7 +10,10 @@ from .._common import export_shared_library as export  # noqa: F401 - target int
 
 FAMILY = "cpu"
 DEVICE = "cpu"
-GEMM_LIBRARY = True  # numpy's BLAS through lorac.runtime.devices.cpu.blas
+GEMM_LIBRARY = True  # a CBLAS (OpenBLAS, MKL) through lorac.runtime.devices.cpu.blas
+# sums of GEMMs as one call (passes/gemm_sum.py): the later terms add into the output with
+# beta = 1 instead of an extra pass over it
+ACCUMULATING_GEMMS = True
 ARENA_PLAN = True  # one arena for the planned tensors (compiler/memory_plan.py)
 DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
 

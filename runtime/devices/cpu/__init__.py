@@ -1,8 +1,10 @@
 """The CPU: artifacts of target cpu (this host's CPU family) and aarch64 (64-bit Arm Linux,
-run on an arm64 machine; cross-compiled anywhere). GEMMs on numpy's BLAS (gemm_cpu.py)."""
+run on an arm64 machine; cross-compiled anywhere). GEMMs on numpy's OpenBLAS or Intel MKL, whichever
+is faster per shape on this machine (blas.py)."""
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 from .blas import gemm  # noqa: F401 - the device interface's GEMM library
 
@@ -25,6 +27,10 @@ def unavailable(target: str) -> str | None:
 
 def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     import tvm
+
+    from . import blas
+    # the GEMM choices of this machine, kept beside the artifacts (as the tuning database)
+    blas.use_cache_dir(Path(art_dir).parent / ".lorac-tuning")
     return tvm.cpu(0)
 
 

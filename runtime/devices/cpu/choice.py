@@ -1,0 +1,100 @@
+"""The fastest (library, split) of each CPU GEMM shape, timed once on this machine and kept.
+
+`pick` times every candidate on the call's own operands in interleaved rounds (a busy host
+slows each alike) and keeps the one with the smallest best time: 3 rounds, 7 where a round
+takes under 20 ms; candidates more than 1.5x slower than the best after the first round are
+dropped. A split over threads is kept unless running whole is more than 10 % faster: on a
+busy host the other core may be taken while timing, and a choice made then would pin a
+quiet run to one core. The choices live in memory
+and, once an artifact cache is known (`set_file`), in its .lorac-tuning/cpu-gemm.json:
+{"libraries": "<names, versions, threads>", "choices": {shape key: "library/split"}}; a file
+written for other libraries or another thread count is ignored and replaced.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from lorac.core import atomic
+
+ROUNDS, QUICK_ROUNDS, QUICK_S = 3, 7, 0.02
+WHOLE_MARGIN = 1.1
+FILE = "cpu-gemm.json"
+_libraries = ""
+_choices: dict[str, tuple[str, str]] = {}
+_file: Path | None = None
+
+
+def configure(libraries: str) -> None:
+    global _libraries
+    _libraries = libraries
+    _choices.clear()
+
+
+def set_file(folder) -> None:
+    """Read and from now on write the choices of `folder`/cpu-gemm.json."""
+    global _file
+    path = Path(folder) / FILE
+    if path == _file:
+        return
+    _file = path
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict) and data.get("libraries") == _libraries and isinstance(data.get("choices"), dict):
+        for key, plan in data["choices"].items():
+            parts = str(plan).split("/")
+            if len(parts) == 2:
+                _choices.setdefault(key, (parts[0], parts[1]))
+
+
+def get(key: str):
+    return _choices.get(key)
+
+
+def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
+    """The fastest of `candidates` for `key`, `run(candidate)` doing one call; `keep`, an array
+    the runs overwrite that the real call must still find (an accumulating output), is restored."""
+    saved = keep.copy() if keep is not None else None
+    best: dict = {}
+    rounds = ROUNDS
+    for r in range(QUICK_ROUNDS):
+        if r == rounds:
+            break
+        if r == 1 and sum(best.values()) < QUICK_S:
+            rounds = QUICK_ROUNDS
+        if r:
+            fastest = min(best.values())
+            candidates = [c for c in candidates if best[c] <= 1.5 * fastest]
+            if len(candidates) == 1:
+                break
+        for c in candidates:
+            t = time.perf_counter()
+            run(c)
+            best[c] = min(best.get(c, float("inf")), time.perf_counter() - t)
+    if saved is not None:
+        keep[...] = saved
+    plan = min(best, key=best.get)
+    split = min((c for c in best if c[1] != "whole"), key=best.get, default=None)
+    if plan[1] == "whole" and split is not None and best[split] < WHOLE_MARGIN * best[plan]:
+        plan = split
+    _choices[key] = plan
+    _save()
+    return plan
+
+
+def _save() -> None:
+    if _file is None:
+        return
+    data = {"libraries": _libraries, "choices": {k: "/".join(v) for k, v in sorted(_choices.items())}}
+    try:
+        _file.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(_file, json.dumps(data, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only cache: the choices stay in this process
+
+
+def choices() -> dict[str, str]:
+    return {k: "/".join(v) for k, v in _choices.items()}
