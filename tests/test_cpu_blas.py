@@ -84,12 +84,18 @@ def test_choice_file_is_read_back_and_ignored_for_other_libraries(tmp_path):
     assert run() == "None"
 
 
-def test_pick_prefers_a_split_unless_whole_is_clearly_faster():
+def test_pick_keeps_the_candidate_that_took_least_cpu_time():
+    """Ranked by CPU time: a candidate that waits (sleeps) costs nothing, one that computes costs."""
     import time
-    times = {("l", "whole"): 0.010, ("l", "rows"): 0.0105, ("l", "cols"): 0.02}
-    assert choice.pick("test-a", list(times), lambda c: time.sleep(times[c])) == ("l", "rows")
-    times = {("l", "whole"): 0.005, ("l", "rows"): 0.010}
-    assert choice.pick("test-b", list(times), lambda c: time.sleep(times[c])) == ("l", "whole")
+
+    def run(c):
+        if c == ("l", "busy"):
+            end = time.perf_counter() + 0.02
+            while time.perf_counter() < end:
+                pass
+        else:
+            time.sleep(0.05)
+    assert choice.pick("test-a", [("l", "busy"), ("l", "waits")], run) == ("l", "waits")
 
 
 def test_blas_info_names_the_kernel_family_openblas_runs():

@@ -13,8 +13,10 @@ runs single-threaded per calling thread and lorac splits a large GEMM into block
 output rows (or batches), or of output columns, over its own small thread pool, whose idle
 threads block instead of spinning (ctypes and numpy release the GIL inside the call).
 
-Choice (choice.py): the first time a process meets a GEMM shape it times each (library,
-split) on the call's own operands, interleaved, and keeps the fastest; the choices are
+Choice (choice.py): a GEMM of at least _SPLIT_FLOPS is split over every thread, by rows or
+by columns, a smaller one runs whole; the first time a process meets a GEMM shape it runs
+each (library, split) on the call's own operands, interleaved, and keeps the one that took
+the least CPU time; the choices are
 stored per machine and library versions in the artifact cache's .lorac-tuning/cpu-gemm.json
 (use_cache_dir, called when an artifact is opened), so later runs skip the timing.
 LORAC_CPU_BLAS=openblas|mkl|numpy restricts the choice to one library (benchmarks, tests).
@@ -144,12 +146,13 @@ def _block(lib, ta, tb, x, y, out, beta) -> None:
 def _candidates(ta: bool, tb: bool, x, out) -> list[tuple[str, str]]:
     m, n = out.shape[-2:]
     k = x.shape[-2] if ta else x.shape[-1]
-    modes = ["whole"]
+    modes = []  # a large GEMM is split over every thread, a small one runs whole
     if _pool is not None and 2.0 * out.size * k >= _SPLIT_FLOPS:
         if m >= 2 * _threads or (out.ndim == 3 and out.shape[0] >= _threads):
             modes.append("rows")
         if n >= 2 * _threads:
             modes.append("cols")
+    modes = modes or ["whole"]
     return [(lib, mode) for lib in _libs for mode in modes if lib != "numpy" or mode == "whole"]
 
 

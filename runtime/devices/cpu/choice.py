@@ -1,11 +1,13 @@
 """The fastest (library, split) of each CPU GEMM shape, timed once on this machine and kept.
 
-`pick` times every candidate on the call's own operands in interleaved rounds (a busy host
-slows each alike) and keeps the one with the smallest best time: 3 rounds, 7 where a round
-takes under 20 ms; candidates more than 1.5x slower than the best after the first round are
-dropped. A split over threads is kept unless running whole is more than 10 % faster: on a
-busy host the other core may be taken while timing, and a choice made then would pin a
-quiet run to one core. The choices live in memory
+`pick` runs every candidate on the call's own operands in interleaved rounds and keeps the
+one that took the least CPU time (the process's, all its threads) in its best round: 3
+rounds, 7 where a round takes under 20 ms; candidates more than 1.5x slower than the best
+after the first round are dropped. CPU time, not wall time: on a shared host other processes
+stretch the wall time of whatever runs while they do (by 2-5x at a load of 5 on 2 cores
+here), while the work a library does for a GEMM stays about the same. The candidates are
+alike in their parallelism (blas.py offers either splits over all threads or one whole call,
+by size), so CPU time ranks them as wall time would on a quiet host. The choices live in memory
 and, once an artifact cache is known (`set_file`), in its .lorac-tuning/cpu-gemm.json:
 {"libraries": "<names, versions, threads>", "choices": {shape key: "library/split"}}; a file
 written for other libraries or another thread count is ignored and replaced.
@@ -19,7 +21,6 @@ from pathlib import Path
 from lorac.core import atomic
 
 ROUNDS, QUICK_ROUNDS, QUICK_S = 3, 7, 0.02
-WHOLE_MARGIN = 1.1
 FILE = "cpu-gemm.json"
 _libraries = ""
 _choices: dict[str, tuple[str, str]] = {}
@@ -71,15 +72,12 @@ def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
             if len(candidates) == 1:
                 break
         for c in candidates:
-            t = time.perf_counter()
+            t = time.process_time()
             run(c)
-            best[c] = min(best.get(c, float("inf")), time.perf_counter() - t)
+            best[c] = min(best.get(c, float("inf")), time.process_time() - t)
     if saved is not None:
         keep[...] = saved
     plan = min(best, key=best.get)
-    split = min((c for c in best if c[1] != "whole"), key=best.get, default=None)
-    if plan[1] == "whole" and split is not None and best[split] < WHOLE_MARGIN * best[plan]:
-        plan = split
     _choices[key] = plan
     _save()
     return plan
