@@ -99,7 +99,7 @@ class Graphs:
         b, s = (int(x) for x in kind.split(":")[1].split(","))
         t = self.train
         fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
-                        trained_layers=t.trained_layers, extra=t.extra)
+                        trained_layers=t.trained_layers, quant=t.quant, extra=t.extra)
         return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
 
     @staticmethod
