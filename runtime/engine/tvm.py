@@ -15,7 +15,7 @@ baked constants, lorac's version and the source of core, graphs and compiler). F
 weights are uploaded once and passed to every call as device tensors. The TVM engine's
 graphs take the LoRA tensors as the optimizer's flat buckets and write their gradients the
 same way (graphs/flat_lora.py): a step copies no tensor one by one. The onnxruntime backend
-(engine_ort.py) runs the per-tensor graphs behind the same methods (Graphs holds what
+(runtime/engine/ort.py) runs the per-tensor graphs behind the same methods (Graphs holds what
 both share).
 """
 from __future__ import annotations

@@ -54,7 +54,7 @@ class Run:
         from ..model.source import resolve_model
         from ..dist import current
         cfg.validate()
-        self.dp = dp = current()  # the data-parallel workers (distributed.py); rank 0 alone logs
+        self.dp = dp = current()  # the data-parallel workers (runtime/dist/__init__.py); rank 0 alone logs
         self.cfg, self.log = cfg, log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         if not dp.main:
             self.log = lambda msg: None
