@@ -14,9 +14,9 @@ nvidia-cudnn-cu13's libcudnn). Plans are built when the artifact loads, from the
 the manifest lists (`unit_calls`), and each is executed once on scratch buffers then: the
 first step of a CUDA-graph artifact is captured, and building plans, loading kernels or
 allocating inside a capture is not allowed. Calls run on the stream TVM names (the
-capture stream while a graph records), like the cuBLAS GEMMs (cublas.py). At exit release()
-frees the plans and the handle before Python's teardown, so a run ends on its summary rather
-than on cuDNN frontend's leak report.
+capture stream while a graph records), like the cuBLAS GEMMs (runtime/devices/cuda/cublas.py).
+At exit release() frees the plans and the handle before Python's teardown, so a run ends on
+its summary rather than on cuDNN frontend's leak report.
 """
 from __future__ import annotations
 
