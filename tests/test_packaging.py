@@ -42,3 +42,41 @@ def test_plain_install_trains(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"] == 2
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "loss.png").is_file()
+
+
+BUILD = """
+import json, sys, warnings
+import setuptools.build_meta as backend
+warnings.simplefilter("always")
+for spec in sys.argv[2:]:  # the filters setup.sh gives pip (PYTHONWARNINGS syntax: action:message)
+    action, message = spec.split(":", 1)
+    warnings.filterwarnings(action, message)
+out = {}
+for hook in ("build_wheel", "build_editable"):
+    with warnings.catch_warnings(record=True) as caught:
+        name = getattr(backend, hook)(sys.argv[1])
+    out[hook] = [name, [f"{w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught]]
+print(json.dumps(out))
+"""
+
+
+def test_builds_raise_no_setuptools_warning_and_ship_the_corpus(tmp_path):
+    """`bash scripts/setup.sh` prints no setuptools warning: setuptools' build hooks, run as pip runs
+    them for setup.sh (its PYTHONWARNINGS filters), warn about nothing, and the wheel holds the
+    bundled corpus."""
+    import re
+    import shutil
+    import zipfile
+    from wheelhouse import ROOT
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "lorac-out"))
+    filters = re.findall(r'PYTHONWARNINGS="([^"]+)"', (ROOT / "scripts" / "setup.sh").read_text())
+    assert filters == ["ignore:Editable installation"]  # what setup.sh filters, and nothing more
+    r = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path / "dist"), *filters[0].split(",")], cwd=src,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = json.loads(r.stdout.strip().splitlines()[-1])
+    assert built["build_wheel"][1] == [] and built["build_editable"][1] == [], built
+    names = zipfile.ZipFile(tmp_path / "dist" / built["build_wheel"][0]).namelist()
+    corpus = {n.rsplit("/", 1)[1] for n in names if n.startswith("lorac/runtime/data/corpus/")}
+    assert {"jargon_train.jsonl", "jargon_eval.jsonl", "LICENSE", "README.md"} <= corpus
