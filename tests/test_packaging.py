@@ -1,6 +1,7 @@
-"""A plain install works: lorac's wheel goes into a fresh venv with no extras (offline, from a
-folder of wheels: tests/wheelhouse.py) and `lorac train --steps 2` runs there on a tiny model,
-compiling its graphs with the TVM that the core dependencies bring."""
+"""A plain install works: README's install line, run in a copy of the checkout, builds lorac's
+wheel and installs it into a fresh venv with no extras (offline, the dependencies and the build
+backend from a folder of wheels: tests/wheelhouse.py), and `lorac train --steps 2` runs there on
+a tiny model, compiling its graphs with the TVM that the core dependencies bring."""
 import json
 import os
 import subprocess
@@ -23,9 +24,13 @@ def test_plain_install_trains(tmp_path):
     bindir = env_dir / ("Scripts" if os.name == "nt" else "bin")
     py = bindir / "python"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels), "lorac"],
-                       env={**clean, "PIP_CONFIG_FILE": os.devnull}, capture_output=True, text=True, timeout=900)
+    line = readme_install_line()
+    assert line == ["pip", "install", "."], line  # from a clone: lorac is not on PyPI yet
+    r = subprocess.run([str(py), "-m", *line, "-q", "--no-index", "--find-links", str(wheels)],
+                       cwd=wheels.parent / "lorac-src", env={**clean, "PIP_CONFIG_FILE": os.devnull},
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "Warning" not in r.stderr, r.stderr[-3000:]  # no setuptools warning on the way
     r = subprocess.run([str(py), "-c", "import importlib.util as u; print([m for m in ('torch', 'transformers', "
                         "'onnxruntime', 'datasets') if u.find_spec(m)])"], capture_output=True, text=True, env=clean)
     assert r.stdout.strip() == "[]", r.stdout  # no test oracle or optional extra came along
@@ -42,6 +47,15 @@ def test_plain_install_trains(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"] == 2
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "loss.png").is_file()
+
+
+def readme_install_line() -> list[str]:
+    """The first `pip install` line of README's Quick start code block, its comment cut."""
+    from wheelhouse import ROOT
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Quick start")
+    line = next(l for l in text[start:].splitlines() if l.startswith("pip install"))
+    return line.split("#", 1)[0].split()
 
 
 BUILD = """
