@@ -1,6 +1,6 @@
 """The CPU: artifacts of target cpu (this host's CPU family) and aarch64 (64-bit Arm Linux,
 run on an arm64 machine; cross-compiled anywhere). GEMMs on numpy's OpenBLAS or Intel MKL, whichever
-is faster per shape on this machine (blas.py)."""
+is faster per shape on this machine (runtime/devices/cpu/blas.py)."""
 from __future__ import annotations
 
 import platform
