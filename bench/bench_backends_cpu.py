@@ -1,6 +1,7 @@
 """The CPU training step of both lorac backends and of PyTorch+PEFT, in one run.
 
     .venv/bin/python bench/bench_backends_cpu.py [--cases 40m,smollm2] [--rounds 2] [--steps 4] [--threads 2]
+                                                 [--backends tvm,ort,torch]
 
 One step = forward + backward + LoRA+ AdamW (r=16, alpha 32, all seven targets), fp32, 4x256
 tokens, random weights and ids, `--threads` threads everywhere:
@@ -132,13 +133,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per process (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", default=".lorac-cache/bench")
+    ap.add_argument("--backends", default="tvm,ort,torch", help="which to run, in this order each round")
     ap.add_argument("--worker", choices=("tvm", "ort", "torch"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     env = {**os.environ, "TVM_NUM_THREADS": str(args.threads)}
     for case in args.cases.split(","):
-        best: dict = {"tvm": [], "ort": [], "torch": []}
+        best: dict = {who: [] for who in args.backends.split(",")}
         for _ in range(args.rounds):
             for who in best:
                 r = subprocess.run([sys.executable, __file__, "--worker", who, "--cases", case, "--steps",
@@ -147,13 +149,13 @@ def main() -> None:
                 if r.returncode != 0:
                     sys.exit(f"{who} {case} failed:\n{r.stderr[-3000:]}")
                 line = r.stdout.strip().splitlines()[-1]
-                print(line, flush=True)
+                print(line[:-1] + f', "load": {os.getloadavg()[0]:.2f}}}', flush=True)
                 best[who].append(json.loads(line)["step_s_min"])
         med = {who: statistics.median(v) for who, v in best.items()}
-        print(json.dumps({"case": case, "B": B, "S": S, "rounds": args.rounds, **{f"{w}_s": round(v, 3) for w, v in med.items()},
-                          "torch_over_tvm": round(med["torch"] / med["tvm"], 2),
-                          "torch_over_ort": round(med["torch"] / med["ort"], 2),
-                          "ort_over_tvm": round(med["ort"] / med["tvm"], 2)}), flush=True)
+        ratios = {f"{a}_over_{b}": round(med[a] / med[b], 2) for a, b in (("torch", "tvm"), ("torch", "ort"), ("ort", "tvm"))
+                  if a in med and b in med}
+        print(json.dumps({"case": case, "B": B, "S": S, "rounds": args.rounds,
+                          **{f"{w}_s": round(v, 3) for w, v in med.items()}, **ratios}), flush=True)
 
 
 if __name__ == "__main__":

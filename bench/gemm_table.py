@@ -1,24 +1,27 @@
 """Per GEMM shape of the CPU training step: GFLOP/s of each BLAS this host can run.
 
-    .venv/bin/python bench/gemm_table.py [--cases 40m,smollm2] [--threads 2] [--backends numpy,mkl,torch]
-                                         [--reps 20] [--json FILE]
+    .venv/bin/python bench/gemm_table.py [--cases 40m,smollm2] [--threads 2] [--reps 10]
+        [--backends numpy,lorac:openblas,lorac,torch,numpy-1,mkl-1] [--json FILE]
 
 1. shapes: compiles (or reuses) the fp32 training artifact of each case (the shapes of
    bench/bench_backends_cpu.py: 4x256 tokens, r=16 on all seven targets) and runs one step
-   with the CPU GEMM library wrapped, recording every call: layout (ta, tb), M, N, K, batch,
-   accumulate. Identical calls are counted, not repeated.
+   with the CPU GEMM library wrapped, recording every call: layout (ta, tb), batch, M, N, K,
+   accumulate (`+=`: a later term of an accumulating call, beta = 1). Identical calls are
+   counted, not repeated.
 2. for each backend, in a fresh process (so no pool of one spins beside another), each
-   shape timed `--reps` times after a warm-up (median), and a 4096^3 square GEMM as the
-   host's measured fp32 peak:
-   - numpy: numpy's own BLAS as lorac ran it before (np.matmul, OpenBLAS threads);
-   - lorac: lorac's CPU GEMM library as the runtime now runs it (runtime/devices/cpu/blas.py:
-     the BLAS it picked on this machine, its threading);
-   - mkl: Intel MKL from the PyPI wheel `mkl` (libmkl_rt through ctypes, cblas_sgemm), with
-     its own threads (`--threads`);
-   - torch: torch.matmul (MKL/oneDNN inside torch), the reference ceiling; lorac's runtime
-     never imports torch.
-Prints one JSON line per (backend, case) and a table per case: shape, count, GFLOP/s per
-backend, the step's GEMM seconds per backend, and the fastest backend's fraction of the peak.
+   shape timed `--reps` times after a warm-up, best of them (a shared host's quiet moments),
+   and a 4096^3 square GEMM as the host's measured fp32 peak:
+   - numpy: np.matmul as lorac ran GEMMs before, OpenBLAS with its own `--threads` threads;
+   - numpy-1 / mkl-1: numpy's OpenBLAS / Intel MKL (the PyPI wheel `mkl`, cblas_sgemm through
+     ctypes) on one thread, whole GEMMs: the libraries' per-core speed;
+   - lorac: lorac's CPU GEMM library as the runtime runs it (runtime/devices/cpu/blas.py: the
+     library and split it chooses per shape, its `--threads` threads); lorac:openblas and
+     lorac:mkl restrict it to one library (LORAC_CPU_BLAS);
+   - torch: torch.matmul (MKL/oneDNN inside torch, `--threads` threads), the reference ceiling;
+     lorac's runtime never imports torch.
+Prints one JSON line per (backend, case) and a table per case: shape, calls a step, GFLOP/s
+per backend, the fastest backend and its fraction of the best measured peak, what lorac
+chose, and the step's GEMM seconds per backend (sum over shapes of calls x time).
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ import argparse
 import collections
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -163,8 +165,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="40m,smollm2")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backends", default="numpy,lorac,mkl,torch")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--backends", default="numpy,lorac:openblas,lorac,torch,numpy-1,mkl-1")
+    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cache", default=".lorac-cache/bench")
     ap.add_argument("--json", help="write every result to this file too")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
