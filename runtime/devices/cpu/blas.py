@@ -173,6 +173,8 @@ def gemm(ta: bool, tb: bool, a, b, out, accumulate: bool = False) -> None:
     plan = choice.get(key)
     if plan is None:
         cands = _candidates(ta, tb, x, o)
-        plan = cands[0] if len(cands) == 1 else choice.pick(
-            key, cands, lambda c: _run(c, ta, tb, x, y, o, 0.0), o if accumulate else None)
+        if len(cands) == 1:
+            plan = choice.remember(key, cands[0])
+        else:
+            plan = choice.pick(key, cands, lambda c: _run(c, ta, tb, x, y, o, 0.0), o if accumulate else None)
     _run(plan, ta, tb, x, y, o, 1.0 if accumulate else 0.0)

@@ -25,12 +25,14 @@ FILE = "cpu-gemm.json"
 _libraries = ""
 _choices: dict[str, tuple[str, str]] = {}
 _file: Path | None = None
+_timed: set[str] = set()  # the keys whose choice was timed (or read): the ones the file keeps
 
 
 def configure(libraries: str) -> None:
     global _libraries
     _libraries = libraries
     _choices.clear()
+    _timed.clear()
 
 
 def set_file(folder) -> None:
@@ -49,10 +51,17 @@ def set_file(folder) -> None:
             parts = str(plan).split("/")
             if len(parts) == 2:
                 _choices.setdefault(key, (parts[0], parts[1]))
+                _timed.add(key)
 
 
 def get(key: str):
     return _choices.get(key)
+
+
+def remember(key: str, plan: tuple[str, str]) -> tuple[str, str]:
+    """The only candidate of `key` (kept in memory, not timed, not written)."""
+    _choices[key] = plan
+    return plan
 
 
 def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
@@ -79,6 +88,7 @@ def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
         keep[...] = saved
     plan = min(best, key=best.get)
     _choices[key] = plan
+    _timed.add(key)
     _save()
     return plan
 
@@ -86,7 +96,7 @@ def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
 def _save() -> None:
     if _file is None:
         return
-    data = {"libraries": _libraries, "choices": {k: "/".join(v) for k, v in sorted(_choices.items())}}
+    data = {"libraries": _libraries, "choices": {k: "/".join(v) for k, v in sorted(_choices.items()) if k in _timed}}
     try:
         _file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(_file, json.dumps(data, indent=1) + "\n")
