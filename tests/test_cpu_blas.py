@@ -63,24 +63,27 @@ def test_gemm_entry_chooses_once_and_accumulates(tmp_path):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
     blas.gemm(False, True, a, b, out, accumulate=True)
     np.testing.assert_allclose(out, 2 * want, rtol=1e-4, atol=2e-4)
-    saved = json.loads((tmp_path / choice.FILE).read_text())
+    saved = json.loads((tmp_path / choice.FILE).read_text())[choice._libraries]
     key = blas.shape_key(False, True, a.shape, b.shape, False)
-    assert saved["choices"][key] == "/".join(choice.get(key)) and key + " +=" in saved["choices"]
+    assert saved[key] == "/".join(choice.get(key)) and key + " +=" in saved
     lib, mode = choice.get(key)
     assert lib in blas._libs and mode in ("whole", "rows", "cols")
 
 
-def test_choice_file_is_read_back_and_ignored_for_other_libraries(tmp_path):
-    """A second process reads the choices (no timing); a file for other libraries is ignored."""
+def test_choice_file_is_read_back_per_set_of_libraries(tmp_path):
+    """A second process reads the choices of its own libraries (no timing), not another set's."""
     code = ("import sys; from lorac.runtime.devices.cpu import blas, choice; blas.use_cache_dir(sys.argv[1]); "
             "print(choice.get('nn 9x9 9x9'))")
     blas._setup()
-    (tmp_path / choice.FILE).write_text(json.dumps({"libraries": choice._libraries,
-                                                    "choices": {"nn 9x9 9x9": f"{next(iter(blas._libs))}/cols"}}))
+    lib = next(iter(blas._libs))
+    (tmp_path / choice.FILE).write_text(json.dumps({choice._libraries: {"nn 9x9 9x9": f"{lib}/cols"},
+                                                    "another BLAS; threads=2": {"nn 9x9 9x9": "x/y"}}))
     run = lambda: subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                                  check=True).stdout.strip()
-    assert run() == str((next(iter(blas._libs)), "cols"))
-    (tmp_path / choice.FILE).write_text(json.dumps({"libraries": "another BLAS", "choices": {"nn 9x9 9x9": "x/y"}}))
+    assert run() == str((lib, "cols"))
+    (tmp_path / choice.FILE).write_text(json.dumps({choice._libraries: {"nn 9x9 9x9": "nolib/cols"}}))
+    assert run() == "None"  # a library this process does not have: timed anew
+    (tmp_path / choice.FILE).write_text(json.dumps({"another BLAS; threads=2": {"nn 9x9 9x9": "x/y"}}))
     assert run() == "None"
 
 

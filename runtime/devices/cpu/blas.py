@@ -96,7 +96,7 @@ def _setup() -> None:
         if _threads > 1:
             _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="lorac-gemm")
         _libs = libs
-        choice.configure(f"{'; '.join(f'{n}={lib.version}' for n, lib in libs.items())}; threads={_threads}")
+        choice.configure("; ".join(f"{n}={lib.version}" for n, lib in libs.items()) + f"; threads={_threads}")
         _ready = True
 
 

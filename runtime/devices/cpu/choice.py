@@ -9,8 +9,9 @@ here), while the work a library does for a GEMM stays about the same. The candid
 alike in their parallelism (blas.py offers either splits over all threads or one whole call,
 by size), so CPU time ranks them as wall time would on a quiet host. The choices live in memory
 and, once an artifact cache is known (`set_file`), in its .lorac-tuning/cpu-gemm.json:
-{"libraries": "<names, versions, threads>", "choices": {shape key: "library/split"}}; a file
-written for other libraries or another thread count is ignored and replaced.
+{"<library names and versions; threads>": {shape key: "library/split"}}, one section per set
+of libraries and thread count (a run restricted to one library, or with other threads, keeps
+its own choices beside the others).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from lorac.core import atomic
 
 ROUNDS, QUICK_ROUNDS, QUICK_S = 3, 7, 0.02
 FILE = "cpu-gemm.json"
+SPLITS = ("whole", "rows", "cols")
 _libraries = ""
 _choices: dict[str, tuple[str, str]] = {}
 _file: Path | None = None
@@ -42,16 +44,19 @@ def set_file(folder) -> None:
     if path == _file:
         return
     _file = path
+    for key, plan in _read(path).get(_libraries, {}).items():
+        parts = str(plan).split("/")
+        if len(parts) == 2 and f"{parts[0]}=" in _libraries and parts[1] in SPLITS:  # else: not ours, timed anew
+            _choices.setdefault(key, (parts[0], parts[1]))
+            _timed.add(key)
+
+
+def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return
-    if isinstance(data, dict) and data.get("libraries") == _libraries and isinstance(data.get("choices"), dict):
-        for key, plan in data["choices"].items():
-            parts = str(plan).split("/")
-            if len(parts) == 2:
-                _choices.setdefault(key, (parts[0], parts[1]))
-                _timed.add(key)
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
 
 
 def get(key: str):
@@ -96,7 +101,8 @@ def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
 def _save() -> None:
     if _file is None:
         return
-    data = {"libraries": _libraries, "choices": {k: "/".join(v) for k, v in sorted(_choices.items()) if k in _timed}}
+    data = _read(_file)
+    data[_libraries] = {k: "/".join(v) for k, v in sorted(_choices.items()) if k in _timed}
     try:
         _file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(_file, json.dumps(data, indent=1) + "\n")
