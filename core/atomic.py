@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -21,16 +22,49 @@ def fsync_path(path) -> None:
         os.close(fd)
 
 
-def write_text(path, text: str, durable: bool = False) -> None:
-    """Replace file `path` with `text`; durable: fsync the file and its directory too."""
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def temp_beside(path, suffix: str = "") -> Path:
+    """A new empty file beside `path` (a fresh unpredictable name, created exclusively, so a
+    link planted in the folder is never followed), with the mode a plain open() would give."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    try:
+        if os.name != "nt":
+            os.fchmod(fd, 0o666 & ~_umask())
+    finally:
+        os.close(fd)
+    return Path(tmp)
+
+
+@contextmanager
+def replacing(path, suffix: str = ""):
+    """Yield a temporary path beside `path` to write; on success it is renamed over `path`.
+    The rename replaces whatever name was there, a symbolic link included, and never writes
+    through it into the file it points at."""
+    tmp = temp_beside(path, suffix)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text(path, text: str, durable: bool = False) -> None:
+    """Replace file `path` with `text` (never through a link at its name); durable: fsync the
+    file and its directory too."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
     if durable:
         fsync_path(path.parent)
 

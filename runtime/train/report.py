@@ -34,7 +34,8 @@ def use_bar(progress: str) -> bool:
 
 class Report:
     def __init__(self, out: Path, progress: str, report_to: str, resume: bool, log):
-        self.metrics = open(out / "metrics.jsonl", "a" if resume else "w")
+        from ..files import open_run_file  # never through a link planted in --out
+        self.metrics = open_run_file(out / "metrics.jsonl", append=bool(resume))
         self.bar = None  # made at the first step, below whatever compiling and evaluating printed
         self.wants_bar, self._log = use_bar(progress), log
         self.tb = _tensorboard(out) if "tensorboard" in report_to else None

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lorac.core import atomic
+
 from .. import devices
 from ..errors import LoracError
 from ..files import respect_umask
@@ -288,6 +290,8 @@ def train(cfg: TrainConfig, log=None) -> dict:
     if cfg.compile_only:
         return precompile(Run(cfg, log))
     workers = distributed.setup(cfg)
+    from .outdir import check_run_dir
+    check_run_dir(cfg) if workers.main else None  # before anything is written or trained (outdir.py)
     lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
     try:
         # whatever _train opens or installs (the metrics file, the signal handlers) it hands to
@@ -431,7 +435,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
             adapter = None
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic.write_text(out / "summary.json", json.dumps(summary, indent=1))  # never through a link
     return summary
 
 
