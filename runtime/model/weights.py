@@ -21,6 +21,7 @@ import numpy as np
 from lorac.core.dtypes import as_dtype  # noqa: F401 (callers import it from here too)
 
 from ..errors import LoracError
+from ..files import check_regular, open_regular
 from .checks import check_weights, required_tensors  # noqa: F401 (callers import them from here too)
 
 SAFETENSORS_DTYPES = {
@@ -118,14 +119,45 @@ def load_hf_dir(model_dir, dtype=np.float32) -> tuple[dict, dict]:
     return config, weights
 
 
-def _load_sharded(model_dir, index, dtype):
+INDEX = "model.safetensors.index.json"
+
+
+def read_index(model_dir) -> dict:
+    """{tensor name: shard file} of a sharded HF model (model.safetensors.index.json). Each shard
+    must be a relative path inside the model folder: an absolute path or one climbing out with
+    `..` would make lorac read (and a merged export write) files the user never named."""
+    index = os.path.join(model_dir, INDEX)
     try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-        raise LoracError(f"{index}: not a safetensors index (no weight_map)") from None
+        with open_regular(index, what="safetensors index") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise LoracError(f"{index}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise LoracError(f"{index}: not a safetensors index (not valid JSON)") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise LoracError(f"{index}: not a safetensors index (weight_map must be an object of tensor names and "
+                         f"shard files, got {type(weight_map).__name__})")
+    bad = next((f"{k!r}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad:
+        raise LoracError(f"{index}: weight_map entry {bad[:200]} does not name a shard file")
+    for shard in sorted(set(weight_map.values())):
+        if not shard_inside(shard):
+            raise LoracError(f"{index}: shard {shard!r} lies outside the model folder (an absolute path or `..`); "
+                             "shards must be files of the model folder")
+    return weight_map
+
+
+def shard_inside(name: str) -> bool:
+    """Whether a shard name is a plain relative path that stays inside its folder."""
+    parts = name.replace("\\", "/").split("/")
+    return bool(name) and not os.path.isabs(name) and not name.startswith(("/", "\\")) and ":" not in parts[0] \
+        and ".." not in parts and all(parts)
+
+
+def _load_sharded(model_dir, index, dtype):
     shards = {}
-    for name, shard in weight_map.items():
+    for name, shard in read_index(model_dir).items():
         shards.setdefault(shard, []).append(name)
     weights = {}
     for shard, names in sorted(shards.items()):
@@ -144,8 +176,7 @@ def weight_files(path) -> list:
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
-    with open(os.path.join(path, "model.safetensors.index.json")) as f:
-        return [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+    return [os.path.join(path, s) for s in sorted(set(read_index(path).values()))]
 
 
 FINGERPRINT_WINDOWS, FINGERPRINT_BYTES = 17, 1 << 16
