@@ -17,6 +17,9 @@ from pathlib import Path
 from ..errors import LoracError
 
 PROGRESS = ("auto", "bar", "lines")
+# More steps skipped than this share (a non-finite loss or gradient norm: the update is not
+# applied) and the run learned next to nothing: it ends nonzero and writes no adapter/.
+MAX_SKIPPED_SHARE = 0.5
 REPORT_TO = ("none", "tensorboard")
 
 
@@ -26,6 +29,15 @@ def check_report_settings(progress: str, report_to: str) -> None:
     bad = [r for r in report_to.split(",") if r.strip() not in REPORT_TO]
     if bad:
         raise LoracError(f"--report-to takes {' or '.join(REPORT_TO)}, got {', '.join(bad)}")
+
+
+def skipped_verdict(steps: int, skipped: int) -> str | None:
+    """Why a finished run failed for its skipped steps (more than MAX_SKIPPED_SHARE), or None."""
+    if not steps or skipped <= MAX_SKIPPED_SHARE * steps:
+        return None
+    return (f"{skipped} of {steps} steps were skipped (non-finite loss or gradient norm), more than "
+            f"{MAX_SKIPPED_SHARE:.0%}: the adapter learned {'nothing' if skipped == steps else 'too little'}, so none "
+            "is written; lower --lr or --alpha, or check the data and the model's weights")
 
 
 def use_bar(progress: str) -> bool:
