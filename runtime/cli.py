@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -87,7 +88,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.config:
         import tomllib
         try:
-            raw = tomllib.loads(Path(args.config).read_text())
+            from .files import open_regular
+            with open_regular(args.config, what="TOML config") as f:
+                raw = tomllib.loads(f.read())
             values = {_field(k): v for k, v in raw.items()}
             per_device = per_device or (args.batch is None and any(
                 "--" + k.replace("_", "-") == ALIASES["batch"] for k in raw))
@@ -163,6 +166,7 @@ def _engine_from_checkpoint(args):
     from .engine import make_engine
     from .model.source import resolve_model
     TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers).check_backend()
+    _check_positive(args, "batch", "seq")
     lora, tcfg = None, {}
     if args.checkpoint:
         ck = load_checkpoint(args.checkpoint)
@@ -189,6 +193,15 @@ def _engine_from_checkpoint(args):
     return eng, tok, lora, source
 
 
+def _check_positive(args, *names) -> None:
+    """Flags that default to the checkpoint's value: given, each must be a positive number (0
+    or -1 silently meant the default, or an eval over no rows)."""
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            raise LoracError(f"--{name} must be positive, got {v}")
+
+
 def cmd_eval(args) -> int:
     from .data import load_dataset
     eng, tok, lora, _ = _engine_from_checkpoint(args)
@@ -199,17 +212,21 @@ def cmd_eval(args) -> int:
         n = float((b["labels"][:, 1:] != -100).sum())
         total += eng.eval_loss(b, lora) * n
         count += n
-    print(json.dumps({"eval_loss": total / max(count, 1.0), "tokens": int(count)}))
+    if not count:  # a loss over nothing is no 0.0
+        raise LoracError(f"{args.data}: no token of it counts in the loss at --seq {eng.train.seq}; nothing to evaluate")
+    print(json.dumps({"eval_loss": total / count, "tokens": int(count)}))
     return 0
 
 
 def cmd_generate(args) -> int:
     from .generate import check_sampling, generate, prompt_ids
     from .generate import model_repetition_penalty
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, args.repetition_penalty or 1.0)
+    given = args.repetition_penalty  # 0 is a value (refused), not "the model's"
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, 1.0 if given is None else given,
+                   seed=args.seed)
     eng, tok, lora, source = _engine_from_checkpoint(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
-    penalty = args.repetition_penalty or model_repetition_penalty(source.path) or 1.0
+    penalty = given if given is not None else model_repetition_penalty(source.path) or 1.0
     new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,
                    penalty)
     print(tok.decode(new))
@@ -262,10 +279,14 @@ def _export_onnx(args) -> int:
     from .train.checkpoint import load_checkpoint
     from .export.onnx import export_onnx
     from .model.source import resolve_model
+    _check_positive(args, "batch", "seq", "rank", "alpha")
     tcfg = load_checkpoint(args.checkpoint).state.get("train_config", {}) if args.checkpoint else {}
     config = resolve_model(args.model or tcfg.get("model")).config()
     spec = ModelSpec.from_hf_config(config)
-    targets = args.targets.split(",") if args.targets else _saved_targets(tcfg) or spec.targets
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()] if args.targets is not None else None
+    if targets == []:
+        raise LoracError(f"--targets {args.targets!r} names no LoRA target (leave it out for every linear layer)")
+    targets = targets or _saved_targets(tcfg) or spec.targets
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", DEFAULTS.seq),
                       lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", DEFAULTS.rank),
@@ -357,8 +378,24 @@ def _dashes(arg: str) -> str:
     return name.replace("_", "-") + eq + value
 
 
+_NEGATIVE = re.compile(r"^-(\d|\.\d|inf$|nan$)", re.IGNORECASE)  # -1e-3, -5, -.5, -inf
+
+
+def _negative_values(argv: list[str]) -> list[str]:
+    """`--lr -1e-3` -> `--lr=-1e-3`: argparse takes a dash-led word for a flag (unless it looks like
+    a plain -5 or -0.5), so a negative value in exponent form was "expected one argument"; joined,
+    every value reaches the setting's own check, which names the flag."""
+    out = []
+    for a in argv:
+        if out and _NEGATIVE.match(a) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
-    argv = [_dashes(a) for a in (sys.argv[1:] if argv is None else argv)]
+    argv = _negative_values([_dashes(a) for a in (sys.argv[1:] if argv is None else argv)])
     if argv and argv[0] == "compile":
         return _guard(lambda: cmd_compile(argv[1:]))
     ap = build_parser()

@@ -23,7 +23,7 @@ from .. import devices
 from ..errors import LoracError
 from ..files import respect_umask
 from ..config import CPU, TrainConfig
-from .report import Report, compile_all
+from .report import Report, compile_all, skipped_verdict
 
 def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
     """--packing auto (or None) -> "isolated" where the model family implements it and the
@@ -70,6 +70,7 @@ class Run:
             self.adapter = a = read_adapter(cfg.adapter, self.spec)
             cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, lora_targets=a.targets,
                                      trained_layers=a.trained_layers(self.spec.layers))
+            cfg.check_bounds()  # the adapter's alpha, as --alpha's
             self.log(f"adapter: {a.describe()}")
         packing = resolve_packing(cfg.packing, self.spec, cfg.target)
         if packing != cfg.packing:  # checkpoints record what ran
@@ -112,6 +113,9 @@ class Run:
                                  eval_path=eval_path, packing=cfg.packing)
         self.eval_path = eval_path
         self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
+        if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
+            self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
+            cfg = self.cfg = replace(cfg, eval_batches=0)
         self.optim_cfg = cfg.optim_config()
         from ..engine import make_engine
         if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
@@ -323,6 +327,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
     from .optim import group_lrs
 
     run = Run(cfg, log)
+    cfg = run.cfg  # as resolved: packing, checkpointing, an adapter's settings, no eval without an eval set
     log, dp = run.log, run.dp
     out = Path(cfg.out)
     dp.check_identity(run)
@@ -423,7 +428,8 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
     if gpu_in_use is not None:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
-    if not interrupted:
+    failed = summary["failed"] = None if interrupted else skipped_verdict(st["step"], st["skipped"])
+    if not interrupted and not failed:
         from ..export import PeftRefused, export_peft
         from .plot import plot_metrics
         try:
@@ -436,6 +442,8 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
     atomic.write_text(out / "summary.json", json.dumps(summary, indent=1))  # never through a link
+    if failed:  # a run that learned nothing does not exit 0 (report.skipped_verdict)
+        raise LoracError(f"{failed} (summary: {out / 'summary.json'})")
     return summary
 
 
