@@ -51,6 +51,7 @@ def read_safetensors_header(path) -> tuple[dict, int]:
         raise LoracError(f"{path}: is a directory, not a safetensors file")
     if not os.path.exists(path):
         raise LoracError(f"weights file not found: {path}")
+    check_regular(path, "safetensors file")  # a FIFO would block the library's open for ever
     try:
         with safe_open(os.fspath(path), framework="numpy"):
             pass
@@ -91,12 +92,14 @@ def load_safetensors(path, dtype=np.float32, names=None) -> dict:
 def read_config(model_dir) -> dict:
     path = os.path.join(model_dir, "config.json")
     try:
-        with open(path) as f:
+        with open_regular(path, what="config.json") as f:
             config = json.load(f)
     except FileNotFoundError:
         raise LoracError(f"{model_dir}: no config.json (not an HF model directory)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoracError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise LoracError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise LoracError(f"{path}: has no model_type")
     return config
@@ -216,4 +219,6 @@ def load_model(path, dtype=np.float32) -> tuple[dict, dict]:
         return load_gguf(path, dtype)
     if os.path.isfile(path):
         raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
+    if not os.path.isdir(path):
+        check_regular(path, "model")  # a FIFO or device: refused by what it is
     return load_hf_dir(path, dtype)
