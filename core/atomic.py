@@ -2,6 +2,7 @@
 content, never a mix: write beside the destination, then rename over it."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -67,6 +68,29 @@ def write_text(path, text: str, durable: bool = False) -> None:
                 os.fsync(f.fileno())
     if durable:
         fsync_path(path.parent)
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+FULL_TEXT = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+def no_space(e: BaseException, *folders) -> str | None:
+    """Why writing failed, when it failed for want of space (ENOSPC, a quota, a file size limit;
+    also when a tool such as the linker only says so in its output), naming the free space left
+    in each of `folders` (where lorac wrote, and the temporary directory its tools write to);
+    None for any other failure."""
+    text = str(e)
+    if not (isinstance(e, OSError) and e.errno in FULL) and not any(t in text for t in FULL_TEXT):
+        return None
+    free = []
+    for folder in dict.fromkeys(str(f) for f in folders):
+        try:
+            st = os.statvfs(folder)
+            free.append(f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free in {folder}")
+        except (OSError, AttributeError):
+            pass
+    what = next((t for t in FULL_TEXT if t in text), "No space left on device").lower()
+    return f"{what} ({'; '.join(free) or 'no free space known'})"
 
 
 def replace_dir(new, dest) -> Path:
