@@ -103,13 +103,17 @@ class QuantWeight:
         return self.out, self.inp
 
     def dense(self, g):
-        """Emit the dequantization (fresh nodes on every call) -> an fp32 value [out, in]."""
+        """Emit the dequantization (fresh nodes on every call) -> an fp32 value [out, in]
+        (cast, exactly, to the graph's float type where that is float64: gradient checks)."""
         v = self.values
         if self.q.kind == "nf4":
-            return nf4_dense(g, self.q, v, self.out, self.inp)
-        if self.q.kind == "int8":
-            return g.op("Mul", g.op("Cast", v["int8"], to=F32), g.op("Unsqueeze", v["int8_scale"], g.ints(1)))
-        return GGUF_EMITTERS[self.q.kind](g, blocks(g, v[self.q.kind], self.q.kind, self.out, self.inp), self.out, self.inp)
+            w = nf4_dense(g, self.q, v, self.out, self.inp)
+        elif self.q.kind == "int8":
+            w = g.op("Mul", g.op("Cast", v["int8"], to=F32), g.op("Unsqueeze", v["int8_scale"], g.ints(1)))
+        else:
+            b = blocks(g, v[self.q.kind], self.q.kind, self.out, self.inp)
+            w = GGUF_EMITTERS[self.q.kind](g, b, self.out, self.inp)
+        return w if g.float == F32 else g.op("Cast", w, to=g.float)
 
 
 def declare(g, q: Quant, name: str, out: int, inp: int) -> QuantWeight:

@@ -1,0 +1,136 @@
+"""The ONNX dequantizers of graphs/quant.py against the numpy references (runtime/model/quant),
+through onnxruntime (CPU EP: bit for bit) and through a TVM CPU artifact (every value equal,
+bits equal except the sign of a zero: TVM's CPU code returns +0 for some -0), at odd shapes;
+and the in-graph fp16 decoding over all 65536 bit patterns."""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from lorac.graphs.builder import GraphBuilder
+from lorac.graphs.quant import GGUF_BLOCKS, Quant, declare, detect, f16
+from lorac.runtime.model.quant import dense_weight, nf4, quantize_one
+from test_gguf import SMOLLM
+from test_quant_formats import finite_blocks
+
+# (name, Quant, out, in): out not a power of two, several blocks a row or several rows a block;
+# nf4 with 3 (double: 544 blocks = 2 whole nested blocks + 1 partial) or 45 absmax blocks
+NF4 = [("nf4", Quant("nf4", 64, False), 136, 256), ("nf4d", Quant("nf4", 64, True), 136, 256),
+       ("nf4s", Quant("nf4", 64, True), 90, 32), ("nf4b", Quant("nf4", 128, True), 24, 96)]
+CASES = NF4 + [("int8", Quant("int8"), 40, 72)] + [
+    (k, Quant(k), 24, 96 if GGUF_BLOCKS[k][0] == 32 else 512) for k in GGUF_BLOCKS]
+
+
+def case_arrays(rng):
+    feeds = {}
+    for name, q, out, inp in CASES:
+        if q.kind in GGUF_BLOCKS:
+            feeds[f"{name}.{q.kind}"] = finite_blocks(q.kind, out, inp, rng)
+        else:
+            w = (rng.standard_normal((out, inp)) * rng.uniform(0.01, 4, (out, 1))).astype(np.float32)
+            if q.kind == "nf4":
+                arrays = {f"{name}.{k}": v for k, v in nf4.quantize(w, q.block, q.double).items()}
+            else:
+                arrays = quantize_one(w, q.kind, name)
+            assert detect(arrays)[name] == q
+            feeds.update(arrays)
+    return feeds
+
+
+def smollm_case():
+    """A q_proj of the bundled SmolLM2 Q4_1 file, its rows of blocks as the loader keeps them."""
+    if SMOLLM is None:
+        return None
+    from lorac.runtime.model.gguf import load_gguf
+    _, kept = load_gguf(SMOLLM, keep_quantized=True)
+    name = "model.layers.2.self_attn.q_proj.weight"
+    blocks = kept[f"{name}.Q4_1"]
+    return ("smol", Quant("Q4_1"), blocks.shape[0], blocks.shape[1] // 20 * 32), {"smol.Q4_1": blocks}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """One graph: every case's dense weight, and the fp16 decoding of every bit pattern."""
+    cases, feeds = list(CASES), case_arrays(np.random.default_rng(0))
+    smol = smollm_case()
+    if smol:
+        cases.append(smol[0])
+        feeds.update(smol[1])
+    g = GraphBuilder("dequant")
+    for name, q, out, inp in cases:
+        w = declare(g, q, name, out, inp)
+        g.output(w.dense(g), f"{name}.dense")
+    halves = g.input("halves", [65536, 2], ir.DataType.UINT8)
+    g.output(f16(g, halves, 0), "f16")
+    feeds["halves"] = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(65536, 2)
+    return g.finish(), cases, feeds
+
+
+def references(cases, feeds):
+    out = {f"{name}.dense": dense_weight(feeds, name, q) for name, q, _, _ in cases}
+    out["f16"] = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32).reshape(65536, 1)
+    return out
+
+
+def f16_expected(ref):
+    """What the decoding gives: every finite pattern exactly, exponent 31 (inf, NaN) as +-inf."""
+    bits = np.arange(65536, dtype=np.uint16).reshape(65536, 1)
+    finite = (bits & 0x7C00) != 0x7C00
+    return np.where(finite, ref, np.where(bits & 0x8000, -np.inf, np.inf)).astype(np.float32)
+
+
+def test_ops_are_ones_both_runtimes_convert(graph):
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+    model, _, _ = graph
+    ops = {n.op_type for n in model.graph.node}
+    assert {n.domain for n in model.graph.node} == {""}
+    assert ops <= set(_get_convert_map()), ops - set(_get_convert_map())
+    assert "BitShift" in ops and "Gather" in ops
+
+
+def test_dense_emits_fresh_nodes_each_call():
+    g = GraphBuilder("twice")
+    w = declare(g, Quant("Q4_K"), "w", 2, 256)
+    a, b = w.dense(g), w.dense(g)
+    assert a is not b and len(g.inputs) == 1 and g.inputs[0].name == "w.Q4_K"
+
+
+def test_onnxruntime_equals_the_references_bit_for_bit(graph):
+    import onnxruntime as ort
+    model, cases, feeds = graph
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    got = dict(zip(names, sess.run(names, {i.name: feeds[i.name] for i in model.graph.input})))
+    ref = references(cases, feeds)
+    for name in names:
+        want = f16_expected(ref[name]) if name == "f16" else ref[name]
+        assert got[name].dtype == np.float32 and got[name].shape == want.shape, name
+        assert np.array_equal(got[name].view(np.uint32), want.view(np.uint32)), name
+
+
+def test_tvm_cpu_equals_the_references(graph, tmp_path_factory):
+    from lorac.compiler import compile_graph
+    from lorac.runtime.engine.artifact import load_artifact
+    model, cases, feeds = graph
+    art = compile_graph(model, target="cpu", out_dir=tmp_path_factory.mktemp("quant") / "cpu")
+    got = load_artifact(art, device="cpu")({i.name: feeds[i.name] for i in model.graph.input})
+    ref = references(cases, feeds)
+    for name, want in ref.items():
+        want = f16_expected(want) if name == "f16" else want
+        have = np.asarray(got[name])
+        assert have.dtype == np.float32 and have.shape == want.shape, name
+        assert np.array_equal(have, want), name  # equal values (+0 == -0)
+        nonzero = want != 0
+        assert np.array_equal(have.view(np.uint32)[nonzero], want.view(np.uint32)[nonzero]), name
+
+
+def test_float64_graphs_get_the_same_values_in_float64():
+    import onnxruntime as ort
+    g = GraphBuilder("f64", dtype=np.float64)
+    w = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    arrays = quantize_one(w, "int8", "w")
+    g.output(declare(g, Quant("int8"), "w", 8, 64).dense(g), "dense")
+    model = g.finish()
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["dense"], arrays)[0]
+    assert got.dtype == np.float64 and np.array_equal(got, dense_weight(arrays, "w"))
