@@ -344,3 +344,22 @@ def test_gguf_keeps_its_quantized_projections(tmp_path):
     _, requant = load_gguf(path, quantize="nf4")
     assert {q.kind for q in detect(requant).values()} == {"nf4"} and len(detect(requant)) == 14
     assert quantize_targets(config, dense, None) is dense
+
+
+def test_sharded_bnb_dir_reads_state_in_float32_across_shards(tmp_path):
+    """A bf16 load of a sharded bnb directory whose weight's absmax sits in another shard than
+    its quant state: the state still reads as float32 (exact), the dense tensors as bf16."""
+    from safetensors.numpy import load_file, save_file
+    from lorac.runtime.model.weights import load_model
+    d, _, arrays = bnb_dir(tmp_path, double=False)
+    t = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    second = {f"{name}.absmax": t.pop(f"{name}.absmax")}
+    save_file(t, str(d / "model-00001-of-00002.safetensors"))
+    save_file(second, str(d / "model-00002-of-00002.safetensors"))
+    index = {n: "model-00001-of-00002.safetensors" for n in t} | {n: "model-00002-of-00002.safetensors" for n in second}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    _, kept = load_model(d, dtype="bfloat16", keep_quantized=True)
+    assert kept[f"{name}.absmax"].dtype == np.float32 and np.array_equal(kept[f"{name}.absmax"], arrays[name]["absmax"])
+    assert kept["model.norm.weight"].dtype.name == "bfloat16"

@@ -153,10 +153,10 @@ def _load_bnb(shards: dict, config: dict, dtype, keep_quantized: bool, source) -
     in dtype; then each quantized weight kept as nf4 arrays (the LoRA targets, when asked) or
     dequantized (quant/bnb_dir.py)."""
     from .quant import bnb_dir, target_names
+    shards = {path: list(read_safetensors_header(path)[0]) if names is None else names for path, names in shards.items()}
+    state = bnb_dir.float32_names([n for names in shards.values() for n in names])  # a weight's state may span shards
     tensors = {}
     for path, names in shards.items():
-        names = list(read_safetensors_header(path)[0]) if names is None else names
-        state = bnb_dir.float32_names(names)
         tensors.update(load_safetensors(path, np.float32, [n for n in names if n in state]))
         tensors.update(load_safetensors(path, dtype, [n for n in names if n not in state]))
     keep = set(target_names(config)) if keep_quantized else set()
