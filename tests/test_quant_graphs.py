@@ -134,3 +134,29 @@ def test_float64_graphs_get_the_same_values_in_float64():
     model = g.finish()
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["dense"], arrays)[0]
     assert got.dtype == np.float64 and np.array_equal(got, dense_weight(arrays, "w"))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8", "Q8_0"])
+def test_training_graph_over_quantized_weights_equals_dense_on_dequantized(kind):
+    """graphs/linear.py reads a quantized weight through these emitters (TrainSpec.quant): the
+    step's loss and LoRA gradients (onnxruntime) equal the dense graph's on the dequantized
+    weights exactly."""
+    import onnxruntime as ort
+    from _compiler_graphs import SMALL_QWEN3, random_inputs
+    from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
+    from lorac.runtime.model.quant import dequantize_weights, quantize_weights, target_names
+
+    def run(model, feeds):
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return dict(zip([o.name for o in model.graph.output], sess.run(None, {i.name: feeds[i.name] for i in model.graph.input})))
+
+    config = dict(SMALL_QWEN3, hidden_size=64, intermediate_size=128, head_dim=16)
+    spec = ModelSpec.from_hf_config(config)
+    train = TrainSpec(batch=2, seq=8, rank=4, lora_targets=tuple(ALL_TARGETS))
+    dense = build_training_graph(spec, train)
+    weights = quantize_weights(random_inputs(dense, 0), kind, target_names(config))
+    quant = tuple(sorted(detect(weights).items()))
+    assert len(quant) == 14 and {q.kind for _, q in quant} == {kind}
+    model = build_training_graph(spec, TrainSpec(batch=2, seq=8, rank=4, lora_targets=tuple(ALL_TARGETS), quant=quant))
+    got, want = run(model, weights), run(dense, dequantize_weights(weights))
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
