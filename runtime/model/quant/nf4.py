@@ -6,16 +6,18 @@ byte k, as bnb packs the flattened weight), `name.nf4_code` float32 [16], and `n
 float32 [n_blocks], or, double-quantized, `name.absmax_q` uint8 [n_blocks] with
 `name.absmax_code` [256], `name.absmax_scale` [ceil(n_blocks/256)], `name.absmax_offset` [1].
 
-The quantizer follows bnb's CUDA kernels (kQuantizeBlockwise, what `*-bnb-4bit` checkpoints
-were made with): per block absmax = max|w|; x = w * (1/absmax) (a float32 reciprocal, then a
-product); the NF4 code is the nearest of the 16 (ties to the lower; the float32 midpoints are
-exactly the kernel's thresholds); double quantization subtracts offset = mean(absmax) and
-quantizes each 256-block of that to the nearest of bnb's signed dynamic 8-bit map the same
-way. Checked bit for bit against bitsandbytes 0.50.2's `quantize_4bit` and its torch
-`quantize_blockwise` (tests/test_quant_formats.py). Two known differences inside bnb itself,
-both on the double-quantized absmax only: its CPU library rounds through a 65536-entry table
-(measured: 0.15% of the nested codes differ from nearest), and `offset` is torch's float32
-mean, whose summation order differs by device; lorac's is the correctly rounded mean.
+The quantizer follows bnb's CUDA kernel as written (csrc/kernels.cu kQuantizeBlockwise, what
+`*-bnb-4bit` checkpoints were made with): per block absmax = max|w|; x = w * (1/absmax) (a
+float32 reciprocal, then a product); the NF4 code is the nearest of the 16 (ties to the lower;
+the float32 midpoints are exactly the kernel's thresholds); double quantization subtracts
+offset = mean(absmax) and quantizes each 256-block of that to the nearest of bnb's signed
+dynamic 8-bit map the same way. Checked bit for bit against bitsandbytes 0.50.2 on the CPU:
+`quantize_4bit`'s codes and absmax, its torch `quantize_blockwise` for the nested state, and
+`dequantize_4bit` (tests/test_quant_bnb.py; its gpu test does the same against CUDA). Known
+differences inside bnb itself: its CPU library rounds the nested absmax through a
+65536-entry table (measured: 0.15% of nested codes one step off nearest); `offset` is
+torch's float32 mean, whose summation order differs by device (lorac's is the correctly
+rounded mean); its CPU `dequantize_4bit` is wrong for rows shorter than a block.
 """
 from __future__ import annotations
 
