@@ -42,7 +42,7 @@ NF4_BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes bitsan
 NESTED = 256  # values per block of the double-quantized absmax (bitsandbytes' nested blocksize)
 NF4_DOUBLE = ("absmax_q", "absmax_code", "absmax_scale", "absmax_offset")
 
-U8, I32, F32 = ir.DataType.UINT8, ir.DataType.INT32, ir.DataType.FLOAT
+I32, F32 = ir.DataType.INT32, ir.DataType.FLOAT
 
 
 @dataclass(frozen=True)

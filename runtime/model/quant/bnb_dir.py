@@ -6,8 +6,6 @@ quantization) `W.nested_absmax`, `W.nested_quant_map`, and `W.quant_state.bitsan
 """
 from __future__ import annotations
 
-import numpy as np
-
 from lorac.core.dtypes import as_dtype
 from lorac.core.errors import LoracError
 
