@@ -110,11 +110,20 @@ def test_onnxruntime_equals_the_references_bit_for_bit(graph):
 
 
 def test_tvm_cpu_equals_the_references(graph, tmp_path_factory):
+    assert_tvm_equals_the_references(graph, tmp_path_factory.mktemp("quant"), "cpu")
+
+
+@pytest.mark.gpu  # skipped without a CUDA GPU (conftest.py)
+def test_tvm_cuda_equals_the_references(graph, tmp_path_factory):
+    assert_tvm_equals_the_references(graph, tmp_path_factory.mktemp("quant"), "cuda")
+
+
+def assert_tvm_equals_the_references(graph, folder, target: str):
     from lorac.compiler import compile_graph
     from lorac.runtime.engine.artifact import load_artifact
     model, cases, feeds = graph
-    art = compile_graph(model, target="cpu", out_dir=tmp_path_factory.mktemp("quant") / "cpu")
-    got = load_artifact(art, device="cpu")({i.name: feeds[i.name] for i in model.graph.input})
+    art = compile_graph(model, target=target, out_dir=folder / target)
+    got = load_artifact(art, device=target)({i.name: feeds[i.name] for i in model.graph.input})
     ref = references(cases, feeds)
     for name, want in ref.items():
         want = f16_expected(want) if name == "f16" else want
