@@ -1,8 +1,8 @@
 """Quantized frozen weights (runtime/model/quant, graphs/quant.py's layout), without compiling:
-the GGUF reference against gguf.quants (random blocks and the bundled SmolLM2 file), NF4's
+the GGUF reference against gguf.quants (random blocks), NF4's
 layout and error bounds, int8, the dict-level helpers, and the loaders' keep/quantize
 options. bitsandbytes' own comparisons need torch: tests/test_quant_bnb.py; the ONNX
-emitters: tests/test_quant_graphs.py."""
+emitters and the bundled SmolLM2 file's blocks: tests/test_quant_graphs.py."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from lorac.graphs.quant import GGUF_BLOCKS, Quant, detect, quant_inputs  # noqa:
 from lorac.runtime.model import gguf_quant  # noqa: E402
 from lorac.runtime.model.quant import (dequantize_weights, gguf_blocks, int8, nf4, quantize_targets,  # noqa: E402
                                        quantize_weights, quantized_bytes, shape_of)
-from test_gguf import SMOLLM, hf_weights, needs_smollm, write_gguf  # noqa: E402
+from test_gguf import hf_weights, write_gguf  # noqa: E402
 
 LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -61,23 +61,6 @@ def test_gguf_blocks_refuse_partial_rows_and_non_finite_scales():
         gguf_blocks.blocks_of(raw, "Q4_K", 3, 256, "t")
     with pytest.raises(LoracError, match="cannot quantize to Q4_K"):
         gguf_blocks.quantize(np.ones((2, 256), np.float32), "Q4_K")
-
-
-@needs_smollm
-def test_smollm_q4_1_blocks_kept_dequantize_to_the_dense_load():
-    """The bundled Q4_1 file: kept blocks (q/k rows reordered as blocks) dequantize, through
-    gguf.quants, to exactly the weights the dense loader gives."""
-    from lorac.runtime.model.gguf import load_gguf
-    config, dense = load_gguf(SMOLLM)
-    _, kept = load_gguf(SMOLLM, keep_quantized=True)
-    found = detect(kept)
-    assert len(found) == 7 * config["num_hidden_layers"] and {q.kind for q in found.values()} == {"Q4_1"}
-    assert "model.embed_tokens.weight" in kept and "model.layers.0.self_attn.q_proj.weight" not in kept
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
-                 "model.layers.5.mlp.down_proj.weight"):
-        w = gguf_blocks.dequantize(kept[f"{name}.Q4_1"], "Q4_1")
-        assert np.array_equal(w.view(np.uint32), dense[name].view(np.uint32)), name
-    assert quantized_bytes(kept) < sum(dense[n].nbytes for n in found) / 6
 
 
 # ------------------------------------------------------------------ nf4

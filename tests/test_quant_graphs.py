@@ -1,7 +1,9 @@
 """The ONNX dequantizers of graphs/quant.py against the numpy references (runtime/model/quant),
 through onnxruntime (CPU EP: bit for bit) and through a TVM CPU artifact (every value equal,
-bits equal except the sign of a zero: TVM's CPU code returns +0 for some -0), at odd shapes;
-and the in-graph fp16 decoding over all 65536 bit patterns."""
+bits equal except the sign of a zero: TVM's CPU code returns +0 for some -0), at odd shapes
+and on a projection of the bundled SmolLM2 Q4_1 file; the in-graph fp16 decoding over all
+65536 bit patterns; a training graph over quantized weights; and that file's kept blocks
+against its dense load."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from lorac.graphs.builder import GraphBuilder
 from lorac.graphs.quant import GGUF_BLOCKS, Quant, declare, detect, f16
 from lorac.runtime.model.quant import dense_weight, nf4, quantize_one
-from test_gguf import SMOLLM
+from test_gguf import SMOLLM, needs_smollm
 from test_quant_formats import finite_blocks
 
 # (name, Quant, out, in): out not a power of two, several blocks a row or several rows a block;
@@ -38,23 +40,29 @@ def case_arrays(rng):
     return feeds
 
 
-def smollm_case():
-    """A q_proj of the bundled SmolLM2 Q4_1 file, its rows of blocks as the loader keeps them."""
+@pytest.fixture(scope="module")
+def smollm_kept():
+    """(config, weights) of the bundled SmolLM2 Q4_1 file loaded with its projections kept."""
     if SMOLLM is None:
         return None
     from lorac.runtime.model.gguf import load_gguf
-    _, kept = load_gguf(SMOLLM, keep_quantized=True)
+    return load_gguf(SMOLLM, keep_quantized=True)
+
+
+def smollm_case(kept):
+    """A q_proj of the bundled SmolLM2 Q4_1 file, its rows of blocks as the loader keeps them."""
     name = "model.layers.2.self_attn.q_proj.weight"
     blocks = kept[f"{name}.Q4_1"]
     return ("smol", Quant("Q4_1"), blocks.shape[0], blocks.shape[1] // 20 * 32), {"smol.Q4_1": blocks}
 
 
 @pytest.fixture(scope="module")
-def graph():
-    """One graph: every case's dense weight, and the fp16 decoding of every bit pattern."""
+def graph(smollm_kept):
+    """One graph: every case's dense weight (and a SmolLM2 projection's), and the fp16
+    decoding of every bit pattern."""
     cases, feeds = list(CASES), case_arrays(np.random.default_rng(0))
-    smol = smollm_case()
-    if smol:
+    if smollm_kept:
+        smol = smollm_case(smollm_kept[1])
         cases.append(smol[0])
         feeds.update(smol[1])
     g = GraphBuilder("dequant")
@@ -169,3 +177,27 @@ def test_training_graph_over_quantized_weights_equals_dense_on_dequantized(kind)
     model = build_training_graph(spec, TrainSpec(batch=2, seq=8, rank=4, lora_targets=tuple(ALL_TARGETS), quant=quant))
     got, want = run(model, weights), run(dense, dequantize_weights(weights))
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+@needs_smollm
+def test_smollm_q4_1_blocks_kept_dequantize_to_the_dense_load(smollm_kept):
+    """The bundled Q4_1 file: kept blocks (q/k rows reordered as blocks) dequantize, through
+    gguf.quants, to exactly the weights the dense loader makes of the same tensors."""
+    from lorac.graphs.families import llama
+    from lorac.runtime.model import gguf_quant
+    from lorac.runtime.model.gguf import open_gguf
+    from lorac.runtime.model.quant import gguf_blocks, quantized_bytes, shape_of
+    config, kept = smollm_kept
+    found = detect(kept)
+    assert len(found) == 7 * config["num_hidden_layers"] and {q.kind for q in found.values()} == {"Q4_1"}
+    assert "model.embed_tokens.weight" in kept and "model.layers.0.self_attn.q_proj.weight" not in kept
+    tensors = {t.name: t for t in open_gguf(SMOLLM).tensors}
+    for name, stem in (("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
+                       ("model.layers.3.self_attn.k_proj.weight", "blk.3.attn_k.weight"),
+                       ("model.layers.5.mlp.down_proj.weight", "blk.5.ffn_down.weight")):
+        t = tensors[stem]
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        dense = llama.tensor_from_gguf(name, gguf_quant.dequantize(t.data, int(t.tensor_type), shape), config)
+        w = gguf_blocks.dequantize(kept[f"{name}.Q4_1"], "Q4_1")
+        assert np.array_equal(w.view(np.uint32), dense.view(np.uint32)), name
+    assert quantized_bytes(kept) * 6 < 4 * sum(np.prod(shape_of(kept, n, q)) for n, q in found.items())
