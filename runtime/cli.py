@@ -121,7 +121,7 @@ def _check_types(values: dict, where: str) -> None:
         d = getattr(defaults, key)
         typed = next(f.metadata.get("type") for f in fields(TrainConfig) if f.name == key)
         if key == "checkpointing":  # on/off/auto, or true/false as when it was a switch
-            ok, kind = isinstance(v, (str, bool)), "auto, on, off, true or false"
+            ok, kind = isinstance(v, (str, bool)), "auto, on, off, offload, true or false"
         elif typed is float:
             ok, kind = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
         elif key == "lora_targets":
@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="fine-tune a LoRA adapter (no arguments: the bundled demo)",
                        description="Fine-tune a LoRA adapter with LoRA+ AdamW. With no arguments: SmolLM2-135M-"
                                    "Instruct on the bundled Jargon File corpus, on this CPU, into ./lorac-out.")
+    # --quantized-base's short spelling, declared first so the field's own flag is its dest's action
+    p.add_argument("--dequantize", dest="quantized_base", action="store_const", const="dequantize",
+                   help="hold a quantized base dense, dequantized on load: --quantized-base dequantize")
     _add_train_flags(p)
     p.set_defaults(func=cmd_train)
     for name, helptext in (("eval", "loss of base model or checkpoint on a data file"),

@@ -34,6 +34,18 @@ def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
     return packing
 
 
+def _quantized(weights: dict, log) -> tuple:
+    """TrainSpec.quant of the loaded weights (their quantized projections), logged in one line."""
+    from lorac.graphs.quant import detect
+    quant = tuple(sorted(detect(weights).items()))
+    if quant:
+        kinds = sorted({q.kind for _, q in quant})
+        size = sum(w.nbytes for n, w in weights.items() if ".weight." in n)
+        log(f"base: {len(quant)} linear weights kept quantized ({', '.join(kinds)}; {size / 1e9:.2f} GB of blocks "
+            "and scales), each dequantized just before its GEMMs (--dequantize: dense instead)")
+    return quant
+
+
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
     """PEFT's lora_A init, kaiming_uniform_(a=sqrt(5)): bound = sqrt(6/((1+a^2) fan_in)) = 1/sqrt(fan_in)."""
     bound = 1.0 / math.sqrt(shape[1])
@@ -60,8 +72,9 @@ class Run:
             self.log = lambda msg: None
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
-        self.model_config, weights, self.tokenizer = self.source.load()
+        self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, cfg.keeps_quantized())
         self.spec = ModelSpec.from_hf_config(self.model_config)
+        quant = _quantized(weights, self.log)
         self.adapter = None
         if cfg.adapter:  # the adapter's settings replace the flags it decides
             from ..model.adapter_in import read_adapter
@@ -94,8 +107,9 @@ class Run:
                 self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing == "on", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
-                                    packing=cfg.packing, extra=extra)
+                                    checkpointing=cfg.checkpointing in ("on", "offload"),
+                                    offload=cfg.checkpointing == "offload", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
+                                    packing=cfg.packing, quant=quant, extra=extra)
         from .memory import frozen_sizes
         n_weights, packed = frozen_sizes(weights)
         if cfg.checkpointing == "auto":
@@ -130,11 +144,13 @@ class Run:
         in the config too (checkpoints record what ran; a resumed run compiles the same graph)."""
         from . import memory as step_memory
         cfg, train, log = self.cfg, self.train_spec, self.log
+        off = False
         if cfg.resume:  # the checkpoint's graph
             from .checkpoint import read_state
             saved = read_state(cfg.resume).get("train_config") or {}
             ckpt, keep = saved.get("checkpointing", False), int(saved.get("keep_layers") or 0)
-            ckpt = ckpt if isinstance(ckpt, bool) else ckpt == "on"
+            off = ckpt == "offload"
+            ckpt = ckpt if isinstance(ckpt, bool) else ckpt in ("on", "offload")
             why = f"the checkpoint's setting ({cfg.resume})"
         elif cfg.keep_layers:
             ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
@@ -142,18 +158,21 @@ class Run:
             ckpt, keep, why = False, 0, f"auto is off on --target {cfg.target}" if cfg.backend == "tvm" else \
                 "auto is off on --backend ort"
         else:
-            free = None if cfg.memory_budget is not None else devices.for_target(cfg.target).memory_free()
+            device = devices.for_target(cfg.target)
+            free = None if cfg.memory_budget is not None else device.memory_free()
             budget, source = step_memory.budget_from(free, cfg.memory_budget)
             gather = getattr(self.dp, "gather", None)
             if gather is not None and budget is not None:  # every worker compiles the same step
                 budget = int(gather([budget], "the memory budgets").min())
                 source += f", the least of {self.dp.size} workers"
-            dtype = cfg.dtype or devices.for_target(cfg.target).DEFAULT_DTYPE
-            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source, packed)
-            ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
-        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
-        self.cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)
-        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)))} ({why})")
+            dtype = cfg.dtype or device.DEFAULT_DTYPE
+            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source, packed,
+                                        offload=getattr(device, "OFFLOADS", False))
+            ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
+        off = off and ckpt
+        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
+        self.cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)), off)} ({why})")
 
     # -- state ------------------------------------------------------------------------------
     def fresh_state(self):
