@@ -14,6 +14,7 @@ DEFAULT_DTYPE = "bfloat16"
 CAPTURES_GRAPHS = True
 ORT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 ORT_MEMORY = "cuda"
+LOSS_CHUNK_BYTES = 3 << 29  # default --loss-chunk: a chunk's fp32 logits <= 1.5 GiB (graphs/loss.auto_chunk)
 
 
 def unavailable(target: str) -> str | None:
