@@ -185,6 +185,9 @@ class TrainConfig:
         if self.backend == "ort":
             if self.compile_only:
                 raise LoracError("--compile-only fills the TVM artifact cache; --backend ort compiles nothing ahead")
+            if self.target == "webgpu":  # the plugin and an adapter, or one line now
+                from .engine.ort_webgpu import check
+                check()
         elif self.ort_providers:
             raise LoracError("--ort-providers is for --backend ort")
         elif not self.compile_only:

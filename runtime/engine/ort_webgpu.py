@@ -124,3 +124,12 @@ def open_device(ort) -> tuple[object, dict]:
     if dev is None:
         raise LoracError(no_adapter())
     return dev, describe(dev)
+
+
+def check() -> None:
+    """One LoracError line, before anything loads, when `--target webgpu` cannot run here."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise LoracError(f"--target webgpu needs onnxruntime and its WebGPU plugin: {INSTALL}") from None
+    open_device(onnxruntime)
