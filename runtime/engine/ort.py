@@ -26,6 +26,8 @@ norm and skipped flag come back. Where the buffers live (Values):
   from the memory info its device entry declares and copied with onnxruntime.copy_tensors
   through the plugin's data transfer. LORAC_ORT_WEBGPU_HOST=1 keeps them on the host
   instead (onnxruntime then copies every input in and every output out at each run).
+LORAC_ORT_EP_OPTIONS="key=value;key=value" passes provider options to the plugin (e.g. the
+WebGPU EP's validationMode=disabled).
 """
 from __future__ import annotations
 
@@ -236,7 +238,7 @@ class OrtEngine(Graphs):
         if self.profile:
             so.enable_profiling, so.profile_file_prefix = True, self.profile
         if self._ep_device is not None:
-            so.add_provider_for_devices([self._ep_device], {})
+            so.add_provider_for_devices([self._ep_device], ep_options())
         return so
 
     def compile(self, kind: str) -> Session:
@@ -347,9 +349,19 @@ class OrtEngine(Graphs):
         return [s.sess.end_profiling() for s in self._sessions.values()] if self.profile else []
 
 
+def ep_options() -> dict[str, str]:
+    """The plugin's provider options from LORAC_ORT_EP_OPTIONS ("key=value;key=value")."""
+    pairs = [p.partition("=") for p in os.environ.get("LORAC_ORT_EP_OPTIONS", "").split(";") if p.strip()]
+    bad = [k for k, eq, _ in pairs if not eq]
+    if bad:
+        raise LoracError(f"LORAC_ORT_EP_OPTIONS: {bad[0].strip()!r} is not key=value")
+    return {k.strip(): v.strip() for k, _, v in pairs}
+
+
 def describe_placement(where: dict, main: str) -> str:
-    """", 1068 nodes on WebGpuExecutionProvider, 6 on CPUExecutionProvider (Cast, Concat, ...)"
-    (the op types named for every provider but `main`); "" when nothing was recorded."""
+    """"; nodes placed (units inlined, optimized): 1068 on WebGpuExecutionProvider, 6 on
+    CPUExecutionProvider (Cast, Concat, ...)" (the op types named for every provider but
+    `main`); "" when nothing was recorded."""
     if not where:
         return ""
     parts = []
@@ -357,4 +369,4 @@ def describe_placement(where: dict, main: str) -> str:
         ops = where[ep]
         named = "" if ep == main else f" ({', '.join(sorted(ops))})"
         parts.append(f"{sum(ops.values())} on {ep}{named}")
-    return ": " + ", ".join(parts)
+    return "; nodes placed (units inlined, optimized): " + ", ".join(parts)
