@@ -84,7 +84,7 @@ class Graphs:
         same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"},
                             batch=train.batch * ranks)
         self.graph_hash = graph_key("train", spec, same_math)
-        self.grad_reducer = None  # data parallel: sums the flat gradients over the workers (distributed.py)
+        self.grad_reducer = None  # data parallel: sums the flat gradients over the workers (runtime/dist/__init__.py)
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
@@ -111,7 +111,7 @@ class Graphs:
         b, s = (int(x) for x in kind.split(":")[1].split(","))
         t = self.train
         fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
-                        trained_layers=t.trained_layers, extra=t.extra)
+                        trained_layers=t.trained_layers, quant=t.quant, extra=t.extra)
         return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
 
     @staticmethod

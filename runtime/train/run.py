@@ -54,7 +54,7 @@ class Run:
         from ..model.source import resolve_model
         from ..dist import current
         cfg.validate()
-        self.dp = dp = current()  # the data-parallel workers (distributed.py); rank 0 alone logs
+        self.dp = dp = current()  # the data-parallel workers (runtime/dist/__init__.py); rank 0 alone logs
         self.cfg, self.log = cfg, log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         if not dp.main:
             self.log = lambda msg: None
@@ -98,15 +98,16 @@ class Run:
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing == "on", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
                                     packing=cfg.packing, extra=extra)
-        n_weights = sum(int(w.size) for w in weights.values())
+        from .memory import frozen_sizes
+        n_weights, packed = frozen_sizes(weights)
         if cfg.checkpointing == "auto":
-            self._choose_checkpointing(n_weights)
+            self._choose_checkpointing(n_weights, packed)
             cfg = self.cfg
         self.train_spec.validate(self.spec)
         from .. import limits  # before any compile: an impossible size would only fill memory
         limits.check_context(cfg.seq, self.model_config, "--seq")
         limits.check_rank(self.spec, self.train_spec)
-        limits.check_memory(self.spec, self.train_spec, n_weights, cfg.target)
+        limits.check_memory(self.spec, self.train_spec, n_weights, cfg.target, packed)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
                                  eval_path=eval_path, packing=cfg.packing)
@@ -125,7 +126,7 @@ class Run:
             self.adapter.check_shapes(self.engine.shapes)
         self.model_hash = _model_hash(self.model_config, self.source.path)
 
-    def _choose_checkpointing(self, n_weights: int) -> None:
+    def _choose_checkpointing(self, n_weights: int, packed: int = 0) -> None:
         """Resolve --checkpointing auto (runtime/train/memory.py) into on/off and --keep-layers,
         in the config too (checkpoints record what ran; a resumed run compiles the same graph)."""
         from . import memory as step_memory
@@ -149,7 +150,7 @@ class Run:
                 budget = int(gather([budget], "the memory budgets").min())
                 source += f", the least of {self.dp.size} workers"
             dtype = cfg.dtype or devices.for_target(cfg.target).DEFAULT_DTYPE
-            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source)
+            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source, packed)
             ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
         self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
         self.cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)
@@ -421,7 +422,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
     if gpu_in_use is not None:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
-    if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (engine/ort.py)
+    if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (runtime/engine/ort.py)
         summary["device"] = eng.describe()
     if not interrupted:
         from ..export import PeftRefused, export_peft
