@@ -148,6 +148,44 @@ def probe() -> dict:
             out["kernel_defs"] = len(C.get_registered_ep_kernel_defs(ort_webgpu.EP))
         except Exception as e:  # noqa: BLE001
             out["kernel_defs"] = f"error: {e}"
+        out["residency"] = residency_probe(ort, dev)
+    return out
+
+
+def residency_probe(ort, dev) -> dict:
+    """Both of DeviceValues' allocators on the device: values up, an Add run on them through IO
+    binding into a device output, the result back; each route's outcome."""
+    from types import SimpleNamespace
+
+    from onnx import TensorProto, helper
+    from lorac.runtime.engine.ort import DeviceValues
+    g = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "probe",
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1024]) for n in "ab"],
+                          [helper.make_tensor_value_info("c", TensorProto.FLOAT, [1024])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9).SerializeToString()
+
+    def session():
+        so = ort.SessionOptions()
+        so.add_provider_for_devices([dev], {})
+        return ort.InferenceSession(model, so)
+    a, b = np.arange(1024, dtype=np.float32), np.full(1024, 0.5, np.float32)
+    out = {}
+    for route, entry in (("memory_info", dev), ("session_allocator", SimpleNamespace(memory_info=lambda kind: None))):
+        try:
+            vals = DeviceValues(ort, entry, session=session)
+            up = vals.put({"a": a, "b": b})
+            c = vals.empty((1024,))
+            s = session()
+            io = s.io_binding()
+            io.bind_ortvalue_input("a", up["a"])
+            io.bind_ortvalue_input("b", up["b"])
+            io.bind_ortvalue_output("c", c)
+            s.run_with_iobinding(io)
+            got = vals.read([c])[0]
+            out[route] = {"ok": bool(np.array_equal(got, a + b)), "how": vals.how, "device": c.device_name(),
+                          "providers": s.get_providers()}
+        except Exception as e:  # noqa: BLE001
+            out[route] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     return out
 
 

@@ -25,13 +25,16 @@ ADAPTER = {"execution_provider": "WebGpuExecutionProvider", "vendor": "stand-in"
 
 
 class StandInValues(engine_ort.DeviceValues):
-    """DeviceValues over CPU memory: the CPU entry declares no memory info, so values come
-    from the allocator of `alias` "cpu"; copies go through numpy. Logs every put and read."""
+    """DeviceValues over CPU memory (the CPU entry declares no memory info; the CPU's allocator
+    stands in), copies through numpy. Logs every put and read."""
     log: list = []
 
-    def __init__(self, ort_module, ep_device):
-        super().__init__(ort_module, ep_device, alias="cpu", copy=self._copy)
+    def __init__(self, ort_module, ep_device, session=None):
+        super().__init__(ort_module, ep_device, session=session, copy=self._copy)
         self.copies = 0
+
+    def empty(self, shape, dtype=np.float32):
+        return self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype)
 
     def _copy(self, src, dst):
         self.copies += 1

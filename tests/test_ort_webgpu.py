@@ -171,3 +171,56 @@ def test_the_graphs_compute_no_int64(packing):
         found = _int64_math(flat_lora_io(build(spec, train), shapes))
         assert found == {("Cast", "data"), ("Gather", "indices")}, found
     assert np.iinfo(np.int32).max > spec.vocab
+
+
+class _Value:
+    def __init__(self, shape, how):
+        self.shape_, self.how = list(shape), how
+
+
+class _AllocOrt:
+    """onnxruntime as far as DeviceValues allocates: memory-info allocation that works or fails."""
+
+    class OrtDeviceMemoryType:
+        DEFAULT = "default"
+
+    def __init__(self, fail: bool):
+        ort = self
+
+        class OrtValue:
+            @staticmethod
+            def ortvalue_from_shape_and_type(shape, dtype, memory_info=None):
+                if ort.fail:
+                    raise RuntimeError("no allocator for that memory info")
+                return _Value(shape, f"info:{memory_info}")
+        self.OrtValue, self.fail = OrtValue, fail
+
+    copy_tensors = None
+
+
+def test_device_values_allocate_from_the_memory_info_else_a_session():
+    from lorac.runtime.engine.ort import DeviceValues
+
+    class Session:
+        made = 0
+
+        def __init__(self):
+            Session.made += 1
+
+        def create_ortvalue_from_shape_and_type(self, shape, dtype, device, device_id):
+            return _Value(shape, f"session:{device}:{device_id}")
+    entry = SimpleNamespace(memory_info=lambda kind: f"webgpu-{kind}")
+    good = DeviceValues(_AllocOrt(fail=False), entry, session=Session)
+    assert good.empty((3,)).how == "info:webgpu-default" and good.how == "the device entry's memory info"
+    bad = DeviceValues(_AllocOrt(fail=True), entry, session=Session)
+    assert [bad.empty((2,)).how, bad.empty((4,)).how] == ["session:webgpu:0"] * 2 and Session.made == 1
+    assert bad.how.startswith("a session's allocator (the memory info's failed: no allocator")
+    none = DeviceValues(_AllocOrt(fail=False), SimpleNamespace(memory_info=lambda kind: None), session=Session)
+    assert none.empty((1,)).how == "session:webgpu:0" and none.how == "a session's allocator"
+    late = DeviceValues(_AllocOrt(fail=False), entry, session=Session)
+    late.empty((1,))
+    late.ort.fail = True  # a later failure (out of memory) is not a reason to switch allocators
+    with pytest.raises(RuntimeError, match="no allocator"):
+        late.empty((1,))
+    with pytest.raises(LoracError, match="declares no memory"):
+        DeviceValues(_AllocOrt(fail=False), SimpleNamespace(memory_info=lambda kind: None)).empty((1,))

@@ -90,21 +90,36 @@ class HostValues:
 
 
 class DeviceValues:
-    """OrtValues on a plugin EP's device (WebGPU): opaque buffers, allocated from the memory
-    info the EP's device entry declares (or, where it declares none, the allocator onnxruntime
-    keys by `alias`) and copied to and from the host by `copy` (onnxruntime.copy_tensors:
-    the plugin's data transfer)."""
+    """OrtValues on a plugin EP's device (WebGPU): opaque buffers, copied to and from the host
+    by `copy` (onnxruntime.copy_tensors: the plugin's data transfer). Allocated from the
+    memory info the EP's device entry declares (onnxruntime's shared allocator for it); where
+    the entry declares none, or that allocation fails at the first tensor, from the allocator
+    of a session on the device (`session()`: session-owned WebGPU values are usable by every
+    session on the same WebGPU context)."""
 
-    def __init__(self, ort, ep_device, alias: str = "webgpu", copy=None):
-        self.ort, self.alias = ort, alias
+    def __init__(self, ort, ep_device, session=None, copy=None):
+        self.ort, self._session, self._allocator = ort, session, None
         self.info = ep_device.memory_info(ort.OrtDeviceMemoryType.DEFAULT)
         self.copy = copy or ort.copy_tensors
+        self.allocated = 0
+        self.how = "the device entry's memory info" if self.info is not None else "a session's allocator"
 
     def empty(self, shape, dtype=np.float32):
-        new = self.ort.OrtValue.ortvalue_from_shape_and_type
         if self.info is not None:
-            return new(list(shape), dtype, memory_info=self.info)
-        return new(list(shape), dtype, self.alias, 0)
+            try:
+                v = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, memory_info=self.info)
+                self.allocated += 1
+                return v
+            except RuntimeError as e:
+                if self.allocated or self._session is None:
+                    raise
+                self.info, self.how = None, f"a session's allocator (the memory info's failed: {e})"
+        if self._session is None:
+            raise LoracError("onnxruntime's WebGPU device entry declares no memory to allocate from")
+        if self._allocator is None:
+            self._allocator = self._session()
+        self.allocated += 1
+        return self._allocator.create_ortvalue_from_shape_and_type(list(shape), dtype, "webgpu", 0)
 
     def put(self, arrays: dict) -> dict:
         host = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
@@ -211,7 +226,8 @@ class OrtEngine(Graphs):
                                  f"only, not with {', '.join(others)}")
             self._ep_device, self.adapter = ort_webgpu.open_device(ort)
             host = os.environ.get("LORAC_ORT_WEBGPU_HOST", "") not in ("", "0")
-            self._values = HostValues(ort, "cpu") if host else DeviceValues(ort, self._ep_device)
+            self._values = HostValues(ort, "cpu") if host else DeviceValues(ort, self._ep_device,
+                                                                            session=self._allocator_session)
             self.log(f"onnxruntime {ort.__version__} WebGPU adapter: {self.adapter['vendor']} "
                      f"(vendor {self.adapter['vendor_id']}, device {self.adapter['device_id']}) through "
                      f"{self.adapter['graphics_api']}; buffers on the {'host' if host else 'device'}")
@@ -240,6 +256,15 @@ class OrtEngine(Graphs):
         if self._ep_device is not None:
             so.add_provider_for_devices([self._ep_device], ep_options())
         return so
+
+    def _allocator_session(self):
+        """A one-node session on the plugin's device: the allocator of DeviceValues' fallback."""
+        from onnx import TensorProto, helper
+        g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "lorac_allocator",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+        return self._ort.InferenceSession(model.SerializeToString(), self._options())
 
     def compile(self, kind: str) -> Session:
         """The onnxruntime session of graph `kind` (see Graphs._recipe), made on first use:
@@ -284,6 +309,8 @@ class OrtEngine(Graphs):
         spare = lambda: {b.key: self._values.empty((b.size,)) for b in self._buckets}
         self._next = spare(), spare(), spare()
         self._g = spare()
+        if getattr(self._values, "how", None):  # which of DeviceValues' allocators serves the device
+            self.log(f"{self.device} buffers: allocated from {self._values.how}")
 
     @property
     def lora(self) -> dict:
