@@ -11,7 +11,7 @@ Here (the dev venv; pip and apt reach their registries):
 There (from the repo root; bench/h200_env.sh first where the lorac CUDA column is wanted):
     source bench/webgpu_env.sh [DIR]
     python3 bench/webgpu_step.py device OUT [--dir DIR] [--cuda-cache C] [--peers] [--cpu-ep] [--profile]
-        [--cases 40m-8x1024,q06-8x1024] [--steps 10] [--smollm2 FILE.gguf]
+        [--cases 40m-8x1024,q06-8x1024] [--steps 10] [--smollm2 FILE.gguf] [--no-exact]
 Here again, with OUT brought back:
     .venv/bin/python bench/webgpu_step.py resume OUT [DIR]    the WebGPU run's step-10 checkpoint on TVM CPU
 
@@ -342,7 +342,8 @@ def device(args) -> None:
     gpu = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip() if smi else None
     emit({"probe": probe(), "gpu": gpu, "VK_DRIVER_FILES": os.environ.get("VK_DRIVER_FILES")})
-    exactness(out, Path(args.dir), args.smollm2)
+    if not args.no_exact:
+        exactness(out, Path(args.dir), args.smollm2)
     rows = []
     for name in args.cases.split(","):
         _, peer_model, B, S = CASES[name]
@@ -395,6 +396,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="onnxruntime's profile of the WebGPU steps")
     p.add_argument("--checkpointing", action="store_true", help="(case) recompute layers in the backward")
     p.add_argument("--smollm2", help="the SmolLM2-135M GGUF: the README's default run with --target webgpu")
+    p.add_argument("--no-exact", action="store_true", help="only the speed cases (a second call)")
     p = sp.add_parser("case")
     p.add_argument("name", choices=sorted(CASES))
     p.add_argument("--provider", choices=("webgpu", "cpu"), default="webgpu")
