@@ -193,9 +193,15 @@ def _engine_from_checkpoint(args):
 
 def cmd_eval(args) -> int:
     from .data import load_dataset
+    from .train.checkpoint import read_state
+    from .train.report import dropped_rows_warning
     eng, tok, lora, _ = _engine_from_checkpoint(args)
+    truncate = args.truncate or (args.checkpoint and read_state(args.checkpoint).get("train_config", {}).get("truncate"))
     data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data,
-                        packing=eng.train.packing)
+                        packing=eng.train.packing, truncate=truncate or "none")
+    warning = dropped_rows_warning(data.describe(), splits=("eval",))
+    if warning:
+        print(warning, file=sys.stderr)
     total = count = 0.0
     for b in data.eval_batches(eng.train.batch):
         n = float((b["labels"][:, 1:] != -100).sum())
@@ -310,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--data", required=True, help="data file to score (every document counts)")
             q.add_argument("--packing", choices=("auto", "plain", "isolated"), default=None,
                            help="how documents share a row (default: the checkpoint's, else auto; see lorac train --help)")
+            q.add_argument("--truncate", choices=("none", "prompt-left"), default=None,
+                           help="prompt-left: cut long prompts from the left, each example in one row (default: the "
+                                "checkpoint's, else none; see lorac train --help)")
             q.set_defaults(func=cmd_eval)
         else:
             q.add_argument("--prompt", required=True, help="prompt text (wrapped in the chat template if any)")

@@ -42,6 +42,10 @@ class TrainConfig:
                            "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
                            "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "
                            "attention is not yet on cuDNN (docs/DATA.md)")
+    # "none": today's stream packing, unchanged data for old runs and checkpoints (runtime/data/fit.py)
+    truncate: str = setting("none", "prompt-left: cut prompts longer than a row from the left (the answer is kept) "
+                            "and keep each example that fits within one row, padding the rest of a row; none: "
+                            "documents run on across row ends (docs/DATA.md)")
     rank: int = setting(16, "LoRA rank r")
     alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
     rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
@@ -166,6 +170,8 @@ class TrainConfig:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
         if self.packing not in ("auto",) + PACKINGS:
             raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
+        from .data.fit import check_truncation
+        check_truncation(self.truncate)
         from .train.report import check_report_settings
         check_report_settings(self.progress, self.report_to)
         self.check_backend()

@@ -21,7 +21,7 @@ from .. import devices
 from ..errors import LoracError
 from ..files import respect_umask
 from ..config import CPU, TrainConfig
-from .report import Report, compile_all
+from .report import Report, compile_all, data_lines
 
 def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
     """--packing auto (or None) -> "isolated" where the model family implements it and the
@@ -110,9 +110,10 @@ class Run:
         limits.check_memory(self.spec, self.train_spec, n_weights, cfg.target, packed)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
-                                 eval_path=eval_path, packing=cfg.packing)
+                                 eval_path=eval_path, packing=cfg.packing, truncate=cfg.truncate)
         self.eval_path = eval_path
-        self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
+        for line in data_lines(data_path, self.data.describe()):
+            self.log(line)
         self.optim_cfg = cfg.optim_config()
         from ..engine import make_engine
         if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
@@ -419,7 +420,8 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    eval_loss_after=final_eval, interrupted=interrupted,
                    stopped_by=signal.Signals(stop["signal"]).name if interrupted and stop["signal"] else None,
                    sample_base=base_sample,
-                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
+                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None,
+                   data=run.data.describe())
     if gpu_in_use is not None:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
     if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (runtime/engine/ort.py)
