@@ -162,7 +162,9 @@ def _engine_from_checkpoint(args):
     from .train.checkpoint import load_checkpoint
     from .engine import make_engine
     from .model.source import resolve_model
-    TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers).check_backend()
+    checked = TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers)
+    checked.check_backend()  # --target webgpu: --backend ort (config.py)
+    args.target, args.backend = checked.target, checked.backend
     lora, tcfg = None, {}
     if args.checkpoint:
         ck = load_checkpoint(args.checkpoint)

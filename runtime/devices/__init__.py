@@ -24,6 +24,7 @@ optional:
     ORT_PROVIDERS, ORT_MEMORY
                    `--backend ort`: the execution providers used by default and the
                    onnxruntime device the IO-bound buffers live on (runtime/engine/ort.py)
+    LOSS_CHUNK_BYTES  the default --loss-chunk keeps a chunk's fp32 logits within this
 Importing a device module imports neither TVM nor any device library.
 """
 from __future__ import annotations

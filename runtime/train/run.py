@@ -100,11 +100,13 @@ class Run:
         # --gpus N, in one process, compiles that step too)
         workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
         loss_chunk = cfg.loss_chunk
-        if loss_chunk == 0 and cfg.target == "cuda":  # bound the [tokens, vocab] logits on GPUs
+        budget = getattr(devices.for_target(cfg.target), "LOSS_CHUNK_BYTES", None)
+        if loss_chunk == 0 and budget:  # bound the [tokens, vocab] logits on GPUs
             from lorac.graphs.loss import auto_chunk
-            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq)
+            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq, budget)
             if loss_chunk:
-                self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
+                self.log(f"loss chunk: {loss_chunk} tokens ({cfg.target} default: fp32 logits of a chunk <= "
+                         f"{budget / 2**30:g} GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
                                     checkpointing=cfg.checkpointing in ("on", "offload"),
@@ -441,6 +443,8 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    data=run.data.describe())
     if gpu_in_use is not None:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
+    if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (runtime/engine/ort.py)
+        summary["device"] = eng.describe()
     if not interrupted:
         from ..export import PeftRefused, export_peft
         from .plot import plot_metrics

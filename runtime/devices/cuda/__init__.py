@@ -19,6 +19,7 @@ KEEPS_QUANTIZED = True
 OFFLOADS = True
 ORT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 ORT_MEMORY = "cuda"
+LOSS_CHUNK_BYTES = 3 << 29  # default --loss-chunk: a chunk's fp32 logits <= 1.5 GiB (graphs/loss.auto_chunk)
 
 
 def unavailable(target: str) -> str | None:
