@@ -105,10 +105,14 @@ class TrainSpec:
     trained_layers: range | tuple[int, ...] | None = None  # None: every layer
     checkpointing: bool = False
     keep_layers: int = 0  # with checkpointing: the highest trained layers that keep their activations
+    offload: bool = False  # with checkpointing: recomputed layers' kept inputs wait in host memory (offload.py)
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
     packing: str = "plain"
+    # frozen linear weights that arrive quantized: (HF weight name, graphs.quant.Quant) pairs,
+    # sorted; the graph reads their blocks and dequantizes before each GEMM (graphs/quant.py)
+    quant: tuple = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -128,6 +132,10 @@ class TrainSpec:
             return False
         trained = self.layers(spec)
         return layer in trained[:max(len(trained) - self.keep_layers, 0)]
+
+    def quant_of(self, name: str):
+        """The Quant of frozen weight `name`, or None where it is dense."""
+        return dict(self.quant).get(name)
 
     def validate(self, spec: ModelSpec) -> None:
         for name in ("batch", "seq", "rank"):
@@ -157,6 +165,8 @@ class TrainSpec:
         if self.keep_layers and not self.checkpointing:
             raise ValueError("--keep-layers is for --checkpointing (it keeps some layers' activations); "
                              "without checkpointing every layer keeps them")
+        if self.offload and not self.checkpointing:
+            raise ValueError("offload moves the inputs checkpointing keeps to host memory; it needs checkpointing")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
         if self.packing not in PACKINGS:

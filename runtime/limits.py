@@ -46,10 +46,12 @@ def lora_params(spec, train) -> int:
     return sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * len(train.layers(spec))
 
 
-def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4, target: str = "cpu") -> int:
+def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4, target: str = "cpu",
+                           packed_bytes: int = 0) -> int:
     """A lower bound on the bytes one training step needs (module doc). On CUDA the frozen
     weights are bf16 and attention is cuDNN's fused kernel (no [S, S] probabilities), except
-    for packed documents (--packing isolated), whose attention is inlined (bf16 scores)."""
+    for packed documents (--packing isolated), whose attention is inlined (bf16 scores).
+    `n_weights` dense frozen elements; `packed_bytes` of quantized blocks (train/memory.frozen_sizes)."""
     b, s, layers = train.batch, train.seq, len(train.layers(spec))
     lora = lora_params(spec, train)
     attention = b * spec.heads * s * s if hasattr(spec, "heads") else 0  # Mamba has none
@@ -57,7 +59,7 @@ def step_bytes_lower_bound(spec, train, n_weights: int, itemsize: int = 4, targe
         attention = attention // 2 if getattr(train, "packing", "plain") == "isolated" else 0
     weights = n_weights // 2 if target == "cuda" else n_weights
     chunk = min(train.loss_chunk or b * s, b * s)
-    return itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
+    return packed_bytes + itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
 
 
 def available_memory() -> int | None:
@@ -110,12 +112,12 @@ def check_plan(manifest: dict, device, what: str) -> None:
                          "--checkpointing / --loss-chunk)")
 
 
-def check_memory(spec, train, n_weights: int, target: str) -> None:
+def check_memory(spec, train, n_weights: int, target: str, packed_bytes: int = 0) -> None:
     """Refuse a step whose lower-bound memory exceeds what the machine (cpu) or the GPU
     (cuda, when one is visible) has available."""
     from . import devices
     have = getattr(devices.for_target(target), "memory_free", lambda: None)()
-    need = step_bytes_lower_bound(spec, train, n_weights, target=target)
+    need = step_bytes_lower_bound(spec, train, n_weights, target=target, packed_bytes=packed_bytes)
     if have is not None and need > have:
         raise LoracError(f"a training step of batch {train.batch} x seq {train.seq} at rank {train.rank} needs at least "
                          f"{need / 2**30:.1f} GiB, {'the GPU' if target == 'cuda' else 'this machine'} has {have / 2**30:.1f} GiB available; lower --batch, "

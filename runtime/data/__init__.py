@@ -6,7 +6,7 @@ Formats (picked per file by its suffix, per record by its keys):
     JSONL {"prompt": ..., "completion": ...}   only completion tokens count
     JSONL {"messages": [{"role", "content"}]}  rendered with the chat template; only the
                                                assistant turns count
-    alpaca and sharegpt records (data_formats.py), HF datasets and JSON arrays (data_sources.py)
+    alpaca and sharegpt records (runtime/data/formats.py), HF datasets and JSON arrays (runtime/data/sources.py)
 Labels follow HF: the same ids as input_ids (the graph shifts them), -100 where a token
 does not count. Every document ends with EOS (a chat rendering that already closes with
 it gets none added), so packed rows carry EOS separators; the model learns to stop.
@@ -45,6 +45,7 @@ import weakref
 
 import numpy as np
 
+from .fit import PromptLeft, check_truncation
 from .formats import normalize_record
 from ..errors import LoracError
 from ..files import open_regular
@@ -255,14 +256,15 @@ class TokenStore:
 
     FLUSH_TOKENS = 1 << 17
 
-    def __init__(self, folder, name):
+    def __init__(self, folder, name, fit=None, pad_id=0):
         self.ids_path = os.path.join(folder, f"{name}.ids.i32")
         self.mask_path = os.path.join(folder, f"{name}.mask.u8")
         self.starts_path = os.path.join(folder, f"{name}.starts.i64")  # offset of each document's first token
         self._ids = open(self.ids_path, "wb")
         self._mask = open(self.mask_path, "wb")
         self._starts = open(self.starts_path, "wb")
-        self.n_tokens = self.n_counted = self.n_docs = 0
+        self.n_tokens = self.n_counted = self.n_docs = self.n_pad = 0
+        self.fit, self.pad_id = fit, pad_id  # fit: --truncate prompt-left (fit.py), or None
         self.ids = self.mask = self.starts = None
         self._buf, self._buffered, self._buf_starts = [], 0, []
         self._sha_ids, self._sha_mask, self._sha_starts = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
@@ -270,9 +272,21 @@ class TokenStore:
     def append(self, ids, mask, new_doc=True):
         """A document's tokens, or with new_doc=False the next piece of the last one."""
         assert ids.dtype == np.int32 and mask.dtype == np.uint8, "the files hold int32 ids, uint8 mask"
-        if new_doc or self.n_docs == 0:
+        start = new_doc or self.n_docs == 0
+        if start and self.fit is not None:
+            ids, mask = self.fit.place(self, ids, mask)
+        self.n_docs += start
+        self._write(ids, mask, start)
+
+    def pad(self, n):
+        """n padding tokens (EOS ids that count nothing), a document of their own that n_docs
+        does not count: the rest of a row that the next document does not fit (fit.py)."""
+        self.n_pad += n
+        self._write(np.full(n, self.pad_id, np.int32), np.zeros(n, np.uint8), True)
+
+    def _write(self, ids, mask, start):
+        if start:
             self._buf_starts.append(self.n_tokens)
-            self.n_docs += 1
         self._buf.append((ids, mask))
         self._buffered += len(ids)
         self.n_tokens += len(ids)
@@ -419,13 +433,19 @@ class PackedData:
             yield b
 
     def describe(self):
-        return {"train_docs": self.train.n_docs, "train_tokens": self.train.n_tokens,
-                "train_counted": self.train.n_counted, "train_rows": self.n_train_rows,
-                "train_rows_without_answer": self.train.n_rows(self.seq) - self.n_train_rows,
-                "eval_docs": self.eval.n_docs, "eval_tokens": self.eval.n_tokens,
-                "eval_counted": self.eval.n_counted, "eval_rows": len(self.eval_rows),
-                "eval_rows_without_answer": self.eval.n_rows(self.seq) - len(self.eval_rows),
-                "packing": self.packing}
+        """The counts of both splits (the run's data line and summary.json): documents, tokens
+        (padding included), tokens that count in the loss, rows used and left out, and with
+        --truncate prompt-left the prompts cut, the tokens cut from them and the padding."""
+        out = {}
+        for name, store, used in (("train", self.train, self.train_rows), ("eval", self.eval, self.eval_rows)):
+            fit = store.fit
+            out.update({f"{name}_docs": store.n_docs, f"{name}_tokens": store.n_tokens,
+                        f"{name}_counted": store.n_counted, f"{name}_rows": len(used),
+                        f"{name}_rows_without_answer": store.n_rows(self.seq) - len(used),
+                        f"{name}_prompts_cut": fit.docs_cut if fit else 0,
+                        f"{name}_prompt_tokens_cut": fit.tokens_cut if fit else 0,
+                        f"{name}_pad_tokens": store.n_pad})
+        return out | {"seq": self.seq, "packing": self.packing, "truncate": "prompt-left" if self.train.fit else "none"}
 
 
 class BatchIterator:
@@ -476,19 +496,21 @@ def is_eval_doc(i, fraction):
 
 
 def load_dataset(path, tokenizer, seq, vocab_size, eval_fraction=0.05, eval_path=None,
-                 cache_dir=None, chunk_docs=CHUNK_DOCS, packing="plain") -> PackedData:
+                 cache_dir=None, chunk_docs=CHUNK_DOCS, packing="plain", truncate="none") -> PackedData:
     """Tokenize and pack a data file (streaming) into a PackedData.
 
     With eval_path the eval split is that file; else every 1/eval_fraction-th document
     of `path` (and at least one, where the file has two or more documents). `packing`:
-    "plain" or "isolated" (module doc).
+    "plain" or "isolated" (module doc). `truncate`: "none", or "prompt-left" (fit.py).
     """
     if seq < 2:
         raise LoracError(f"sequence length must be at least 2, got {seq}")
+    check_truncation(truncate)
     owns = cache_dir is None
     folder, lock = _temp_folder() if owns else (cache_dir, None)
     os.makedirs(folder, exist_ok=True)
-    train, eval_ = TokenStore(folder, "train"), TokenStore(folder, "eval")
+    fit = (lambda: PromptLeft(seq, tokenizer.bos_id)) if truncate == "prompt-left" else (lambda: None)
+    train, eval_ = (TokenStore(folder, name, fit(), tokenizer.eos_id) for name in ("train", "eval"))
     try:
         _fill(path, eval_path, eval_fraction, tokenizer, vocab_size, chunk_docs, train, eval_)
         data = PackedData(train, eval_, int(seq), tokenizer.eos_id, folder, owns, lock, packing)
@@ -505,7 +527,8 @@ def load_dataset(path, tokenizer, seq, vocab_size, eval_fraction=0.05, eval_path
 def _check_rows(data, path, eval_path):
     """Refuse a split none of whose rows has a label the loss sees (module doc of PackedData)."""
     why = (f"rows of {data.seq} tokens in which no answer token follows the row's first position "
-           "(prompts longer than the sequence length?); raise --seq or shorten the prompts")
+           "(prompts longer than the sequence length?); raise --seq or shorten the prompts"
+           + ("" if data.train.fit else " (--truncate prompt-left cuts them from the left)"))
     if data.n_train_rows == 0:
         raise LoracError(f"{path}: all {data.train.n_rows(data.seq)} training rows were dropped: {why}")
     if eval_path is not None and data.eval.n_tokens and len(data.eval_rows) == 0:

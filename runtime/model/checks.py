@@ -40,16 +40,20 @@ def check_weights(config, weights, source):
         # (each layer holds at least one tensor: a larger count cannot match these weights)
         raise LoracError(f"{source}: config num_hidden_layers={layers!r} does not fit the {len(weights)} tensors "
                          "of the weights (a positive integer expected)")
+    from lorac.graphs.quant import detect
+    quantized = detect(weights)  # a quantized weight is held under suffixed keys (graphs/quant.py)
     need = required_tensors(config)
-    missing = [n for n in need if n not in weights]
+    missing = [n for n in need if n not in weights and n not in quantized]
     if missing:
         raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-    check_unused(config, weights, set(need), source)
+    check_unused(config, weights, set(need) | set(quantized), source)
     check_finite(weights, source)
 
 
 def check_unused(config, weights, need: set, source) -> None:
-    unused = sorted(n for n in weights if n not in need and n != "lm_head.weight" and not HARMLESS.search(n))
+    """`need`: the names the model reads; a quantized weight's suffixed keys (`name.nf4`, ...) go with its name."""
+    unused = sorted(n for n in weights if n not in need and n.rpartition(".")[0] not in need
+                    and n != "lm_head.weight" and not HARMLESS.search(n))
     if not unused:
         return
     layers = {int(m.group(1)) for n in unused for m in [re.search(r"layers\.(\d+)\.", n)] if m}

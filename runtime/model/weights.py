@@ -105,21 +105,46 @@ def read_config(model_dir) -> dict:
     return config
 
 
-def load_hf_dir(model_dir, dtype=np.float32) -> tuple[dict, dict]:
-    """(config.json dict, {HF name: array}) from an HF model directory."""
+def load_hf_dir(model_dir, dtype=np.float32, quantize=None, keep_quantized=False) -> tuple[dict, dict]:
+    """(config.json dict, {HF name: array}) from an HF model directory.
+
+    A bitsandbytes 4-bit NF4 checkpoint (config.json quantization_config) has its quantized
+    weights dequantized to dtype through the reference (quant/nf4.py), or with keep_quantized
+    its LoRA targets' weights kept as nf4 arrays (lorac.graphs.quant layout). quantize="nf4" or
+    "int8" quantizes the targets' dense weights on load (quant.quantize_targets)."""
+    from .quant import bnb_dir, quantize_targets
     if not os.path.isdir(model_dir):
         raise LoracError(f"model directory not found: {model_dir}")
     config = read_config(model_dir)
-    single = os.path.join(model_dir, "model.safetensors")
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(single):
-        weights = load_safetensors(single, dtype)
-    elif os.path.exists(index):
-        weights = _load_sharded(model_dir, index, dtype)
+    shards = _shards(model_dir)
+    if bnb_dir.is_bnb(config, model_dir):
+        weights = _load_bnb(shards, config, dtype, keep_quantized, model_dir)
     else:
-        raise LoracError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        weights = {}
+        for path, names in shards.items():
+            weights.update(load_safetensors(path, dtype, names))
     check_weights(config, weights, model_dir)
-    return config, weights
+    return config, quantize_targets(config, weights, quantize)
+
+
+def _shards(model_dir) -> dict:
+    """{safetensors file: the tensor names to read from it, None for all} of an HF directory."""
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, INDEX)
+    if os.path.exists(single):
+        return {single: None}
+    if not os.path.exists(index):
+        raise LoracError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    shards = {}
+    for name, shard in read_index(model_dir).items():
+        shards.setdefault(shard, []).append(name)
+    out = {}
+    for shard, names in sorted(shards.items()):
+        path = os.path.join(model_dir, shard)
+        if not os.path.exists(path):
+            raise LoracError(f"{index}: shard {shard} is missing")
+        out[path] = names
+    return out
 
 
 INDEX = "model.safetensors.index.json"
@@ -158,17 +183,19 @@ def shard_inside(name: str) -> bool:
         and ".." not in parts and all(parts)
 
 
-def _load_sharded(model_dir, index, dtype):
-    shards = {}
-    for name, shard in read_index(model_dir).items():
-        shards.setdefault(shard, []).append(name)
-    weights = {}
-    for shard, names in sorted(shards.items()):
-        path = os.path.join(model_dir, shard)
-        if not os.path.exists(path):
-            raise LoracError(f"{index}: shard {shard} is missing")
-        weights.update(load_safetensors(path, dtype, names))
-    return weights
+def _load_bnb(shards: dict, config: dict, dtype, keep_quantized: bool, source) -> dict:
+    """A bitsandbytes 4-bit checkpoint's tensors: quantization state read as float32, the rest
+    in dtype; then each quantized weight kept as nf4 arrays (the LoRA targets, when asked) or
+    dequantized (quant/bnb_dir.py)."""
+    from .quant import bnb_dir, target_names
+    shards = {path: list(read_safetensors_header(path)[0]) if names is None else names for path, names in shards.items()}
+    state = bnb_dir.float32_names([n for names in shards.values() for n in names])  # a weight's state may span shards
+    tensors = {}
+    for path, names in shards.items():
+        tensors.update(load_safetensors(path, np.float32, [n for n in names if n in state]))
+        tensors.update(load_safetensors(path, dtype, [n for n in names if n not in state]))
+    keep = set(target_names(config)) if keep_quantized else set()
+    return bnb_dir.convert(tensors, dtype, keep, source)
 
 
 def weight_files(path) -> list:
@@ -211,14 +238,16 @@ def model_config(path) -> dict:
     return read_config(path)
 
 
-def load_model(path, dtype=np.float32) -> tuple[dict, dict]:
-    """(config dict, weights) from an HF model directory or a .gguf file."""
+def load_model(path, dtype=np.float32, quantize=None, keep_quantized=False) -> tuple[dict, dict]:
+    """(config dict, weights) from an HF model directory or a .gguf file. keep_quantized keeps
+    the LoRA targets' weights that the file holds quantized (bitsandbytes NF4, GGUF Q4_0..Q6_K)
+    as they are; quantize ("nf4", "int8") quantizes the targets' dense weights (runtime/model/quant)."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         from .gguf import load_gguf
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, quantize=quantize, keep_quantized=keep_quantized)
     if os.path.isfile(path):
         raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
     if not os.path.isdir(path):
         check_regular(path, "model")  # a FIFO or device: refused by what it is
-    return load_hf_dir(path, dtype)
+    return load_hf_dir(path, dtype, quantize=quantize, keep_quantized=keep_quantized)

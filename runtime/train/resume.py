@@ -31,7 +31,7 @@ def check(ck, cfg, data_digest: str) -> None:
                              "resume with the checkpoint's settings or start a new run")
     old = ck.state.get("data_sha256")
     if old is not None and old != data_digest:
-        raise LoracError(f"--resume {ck.path}: the training data differ from the checkpoint's (another --data file, "
+        raise LoracError(f"--resume {ck.path}: the training data differ from the checkpoint's (another --data file, --truncate, "
                          "tokenizer, --seq or eval split); resume with the same data or start a new run")
 
 

@@ -23,7 +23,7 @@ from .. import devices
 from ..errors import LoracError
 from ..files import respect_umask
 from ..config import CPU, TrainConfig
-from .report import Report, compile_all, skipped_verdict
+from .report import Report, compile_all, data_lines, skipped_verdict
 
 def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
     """--packing auto (or None) -> "isolated" where the model family implements it and the
@@ -34,6 +34,18 @@ def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
         from lorac.graphs.families import for_spec
         return "isolated" if for_spec(spec).PACKING_ISOLATED and target != "cuda" else "plain"
     return packing
+
+
+def _quantized(weights: dict, log) -> tuple:
+    """TrainSpec.quant of the loaded weights (their quantized projections), logged in one line."""
+    from lorac.graphs.quant import detect
+    quant = tuple(sorted(detect(weights).items()))
+    if quant:
+        kinds = sorted({q.kind for _, q in quant})
+        size = sum(w.nbytes for n, w in weights.items() if ".weight." in n)
+        log(f"base: {len(quant)} linear weights kept quantized ({', '.join(kinds)}; {size / 1e9:.2f} GB of blocks "
+            "and scales), each dequantized just before its GEMMs (--dequantize: dense instead)")
+    return quant
 
 
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
@@ -56,14 +68,15 @@ class Run:
         from ..model.source import resolve_model
         from ..dist import current
         cfg.validate()
-        self.dp = dp = current()  # the data-parallel workers (distributed.py); rank 0 alone logs
+        self.dp = dp = current()  # the data-parallel workers (runtime/dist/__init__.py); rank 0 alone logs
         self.cfg, self.log = cfg, log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         if not dp.main:
             self.log = lambda msg: None
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
-        self.model_config, weights, self.tokenizer = self.source.load()
+        self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, cfg.keeps_quantized())
         self.spec = ModelSpec.from_hf_config(self.model_config)
+        quant = _quantized(weights, self.log)
         self.adapter = None
         if cfg.adapter:  # the adapter's settings replace the flags it decides
             from ..model.adapter_in import read_adapter
@@ -90,29 +103,34 @@ class Run:
         # --gpus N, in one process, compiles that step too)
         workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
         loss_chunk = cfg.loss_chunk
-        if loss_chunk == 0 and cfg.target == "cuda":  # bound the [tokens, vocab] logits on GPUs
+        budget = getattr(devices.for_target(cfg.target), "LOSS_CHUNK_BYTES", None)
+        if loss_chunk == 0 and budget:  # bound the [tokens, vocab] logits on GPUs
             from lorac.graphs.loss import auto_chunk
-            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq)
+            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq, budget)
             if loss_chunk:
-                self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
+                self.log(f"loss chunk: {loss_chunk} tokens ({cfg.target} default: fp32 logits of a chunk <= "
+                         f"{budget / 2**30:g} GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing == "on", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
-                                    packing=cfg.packing, extra=extra)
-        n_weights = sum(int(w.size) for w in weights.values())
+                                    checkpointing=cfg.checkpointing in ("on", "offload"),
+                                    offload=cfg.checkpointing == "offload", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
+                                    packing=cfg.packing, quant=quant, extra=extra)
+        from .memory import frozen_sizes
+        n_weights, packed = frozen_sizes(weights)
         if cfg.checkpointing == "auto":
-            self._choose_checkpointing(n_weights)
+            self._choose_checkpointing(n_weights, packed)
             cfg = self.cfg
         self.train_spec.validate(self.spec)
         from .. import limits  # before any compile: an impossible size would only fill memory
         limits.check_context(cfg.seq, self.model_config, "--seq")
         limits.check_rank(self.spec, self.train_spec)
-        limits.check_memory(self.spec, self.train_spec, n_weights, cfg.target)
+        limits.check_memory(self.spec, self.train_spec, n_weights, cfg.target, packed)
         data_path, eval_path = (cfg.data, cfg.eval_data) if cfg.data else default_corpus()
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
-                                 eval_path=eval_path, packing=cfg.packing)
+                                 eval_path=eval_path, packing=cfg.packing, truncate=cfg.truncate)
         self.eval_path = eval_path
-        self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
+        for line in data_lines(data_path, self.data.describe()):
+            self.log(line)
         if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
             self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
             cfg = self.cfg = replace(cfg, eval_batches=0)
@@ -129,16 +147,18 @@ class Run:
             self.adapter.check_shapes(self.engine.shapes)
         self.model_hash = _model_hash(self.model_config, self.source.path)
 
-    def _choose_checkpointing(self, n_weights: int) -> None:
+    def _choose_checkpointing(self, n_weights: int, packed: int = 0) -> None:
         """Resolve --checkpointing auto (runtime/train/memory.py) into on/off and --keep-layers,
         in the config too (checkpoints record what ran; a resumed run compiles the same graph)."""
         from . import memory as step_memory
         cfg, train, log = self.cfg, self.train_spec, self.log
+        off = False
         if cfg.resume:  # the checkpoint's graph
             from .checkpoint import read_state
             saved = read_state(cfg.resume).get("train_config") or {}
             ckpt, keep = saved.get("checkpointing", False), int(saved.get("keep_layers") or 0)
-            ckpt = ckpt if isinstance(ckpt, bool) else ckpt == "on"
+            off = ckpt == "offload"
+            ckpt = ckpt if isinstance(ckpt, bool) else ckpt in ("on", "offload")
             why = f"the checkpoint's setting ({cfg.resume})"
         elif cfg.keep_layers:
             ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
@@ -146,18 +166,21 @@ class Run:
             ckpt, keep, why = False, 0, f"auto is off on --target {cfg.target}" if cfg.backend == "tvm" else \
                 "auto is off on --backend ort"
         else:
-            free = None if cfg.memory_budget is not None else devices.for_target(cfg.target).memory_free()
+            device = devices.for_target(cfg.target)
+            free = None if cfg.memory_budget is not None else device.memory_free()
             budget, source = step_memory.budget_from(free, cfg.memory_budget)
             gather = getattr(self.dp, "gather", None)
             if gather is not None and budget is not None:  # every worker compiles the same step
                 budget = int(gather([budget], "the memory budgets").min())
                 source += f", the least of {self.dp.size} workers"
-            dtype = cfg.dtype or devices.for_target(cfg.target).DEFAULT_DTYPE
-            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source)
-            ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
-        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
-        self.cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)
-        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)))} ({why})")
+            dtype = cfg.dtype or device.DEFAULT_DTYPE
+            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source, packed,
+                                        offload=getattr(device, "OFFLOADS", False))
+            ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
+        off = off and ckpt
+        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
+        self.cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)), off)} ({why})")
 
     # -- state ------------------------------------------------------------------------------
     def fresh_state(self):
@@ -425,9 +448,12 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    eval_loss_after=final_eval, interrupted=interrupted,
                    stopped_by=signal.Signals(stop["signal"]).name if interrupted and stop["signal"] else None,
                    sample_base=base_sample,
-                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
+                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None,
+                   data=run.data.describe())
     if gpu_in_use is not None:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
+    if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (runtime/engine/ort.py)
+        summary["device"] = eng.describe()
     failed = summary["failed"] = None if interrupted else skipped_verdict(st["step"], st["skipped"])
     if not interrupted and not failed:
         from ..export import PeftRefused, export_peft
