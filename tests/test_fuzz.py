@@ -17,6 +17,7 @@ import pytest
 from lorac.runtime.errors import LoracError
 
 SEED = 15
+pytestmark = pytest.mark.usefixtures("confined")  # nothing written outside each test's folder (conftest.py)
 MAX_PEAK = 64 << 20  # bytes of Python/numpy memory one case may allocate at its peak
 
 
