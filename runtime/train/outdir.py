@@ -4,8 +4,8 @@ A run writes only these names in --out (RUN_FILES): metrics.jsonl, loss.png, sum
 the lock file, checkpoints/, adapter/ and runs/ (TensorBoard). Refused at once, in one line:
 - an --out that is, or lies inside, something the run reads (--model, --data, --eval-data,
   --adapter), or one of whose run names is such a path (`--adapter OUT/adapter`);
-- an --out that holds a model (config.json beside weights, or a .gguf file): the run files
-  would land beside someone's weights;
+- an --out that holds an HF model (config.json beside its weights): the run files would land
+  beside someone's weights (a .gguf file there is left alone: no run name collides with it);
 - a symbolic link at any of the run names: lorac never writes through a link;
 - an adapter/ that lorac's export would not replace (output.check_replaceable: another
   model, or the user's files); one written by a run before export markers existed is marked
@@ -43,7 +43,6 @@ def check_run_dir(cfg) -> None:
     if not out.is_dir():
         return
     model = next((n for n in MODEL_FILES if (out / n).exists()), None) if (out / "config.json").exists() else None
-    model = model or next((p.name for p in out.glob("*.gguf")), None)
     if model:
         raise LoracError(f"--out {out} holds {model}: it looks like a model directory, and a run writes its files "
                          "(metrics.jsonl, checkpoints/, adapter/, ...) there; choose another --out")
