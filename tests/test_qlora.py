@@ -186,3 +186,47 @@ def test_quantized_step_equals_the_dense_step_on_dequantized_weights(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), kind
         for n in b:  # the flat gradient buckets
             assert np.abs(a[n] - b[n]).max() <= 1e-5 * (np.abs(b[n]).max() + 1e-12), (kind, n)
+
+
+def test_lorac_train_over_an_nf4_checkpoint_and_its_merged_export(tmp_path):
+    """`lorac train` keeps a *-bnb-4bit base's blocks (--quantized-base keep), learns, and
+    `--format merged` writes the dense base (bitsandbytes' dequantization) plus s B A."""
+    from safetensors.numpy import load_file
+
+    from conftest import run_lorac
+    from lorac.runtime.model.quant import dequantize_weights
+    from lorac.runtime.model.weights import load_model
+    from lorac.runtime.train.checkpoint import load_checkpoint
+    from tiny_model import make_corpus
+    model_dir = _bnb_dir(tmp_path)
+    corpus = make_corpus(tmp_path / "corpus.txt", 120)
+    out = tmp_path / "run"
+    r = run_lorac(["train", "--model", str(model_dir), "--data", str(corpus), "--quantized-base", "keep", "--steps", "10",
+                   "--batch", "2", "--seq", "32", "--out", str(out), "--sample-tokens", "0", "--eval-every", "10",
+                   "--cache-dir", str(tmp_path / "cache")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "linear weights kept quantized (nf4" in r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.1
+    r = run_lorac(["export", "--checkpoint", str(out / "checkpoints"), "--format", "merged", "--out", str(tmp_path / "m"),
+                   "--dtype", "float32"])
+    assert r.returncode == 0 and "is quantized (bitsandbytes NF4)" in r.stderr, r.stderr[-2000:]
+    merged = load_file(tmp_path / "m" / "model.safetensors")
+    _, base = load_model(model_dir, keep_quantized=True)
+    dense = dequantize_weights(base)
+    lora = load_checkpoint(out / "checkpoints").lora
+    name = "model.layers.1.mlp.down_proj.weight"
+    a = lora[f"base_model.model.{name[:-len('.weight')]}.lora_A.weight"]
+    b = lora[f"base_model.model.{name[:-len('.weight')]}.lora_B.weight"]
+    np.testing.assert_allclose(merged[name], dense[name] + 2.0 * (b @ a), rtol=1e-5, atol=1e-6)  # s = 32 / 16
+    assert "quantization_config" not in json.loads((tmp_path / "m" / "config.json").read_text())
+
+
+def test_quantize_flags_are_checked_in_one_line(tmp_path):
+    from conftest import run_lorac
+    for args, msg in ((["--quantize", "fp4"], "--quantize must be nf4 or int8"),
+                      (["--quantized-base", "sometimes"], "--quantized-base must be auto, keep, dequantize"),
+                      (["--quantize", "nf4", "--dequantize"], "cannot be combined with --dequantize")):
+        r = run_lorac(["train", "--out", str(tmp_path / "o"), *args])
+        assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"lorac: {r.stderr.strip()[7:]}"], r.stderr
+        assert msg in r.stderr, (args, r.stderr)
