@@ -317,8 +317,9 @@ def train(cfg: TrainConfig, log=None) -> dict:
     if cfg.compile_only:
         return precompile(Run(cfg, log))
     workers = distributed.setup(cfg)
-    from .outdir import check_run_dir
-    check_run_dir(cfg) if workers.main else None  # before anything is written or trained (outdir.py)
+    if workers.main:  # before anything is written or trained (outdir.py)
+        from .outdir import check_run_dir
+        check_run_dir(cfg)
     lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
     try:
         # whatever _train opens or installs (the metrics file, the signal handlers) it hands to
