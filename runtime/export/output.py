@@ -32,7 +32,7 @@ MARKER = ".lorac-export.json"  # in every directory an export writes: {"written_
 MAGIC = {"gguf": b"GGUF", "onnx": b"\x08"}  # what an existing file must start with to be replaced (module doc)
 
 
-def check_destination(out, protected, flag: str = "--out", action: str = "export") -> None:
+def check_destination(out, protected) -> None:
     """Refuse `out` when it is, holds, or lies inside one of the `protected` paths."""
     dest = os.path.realpath(out)
     for p in protected:
@@ -41,7 +41,7 @@ def check_destination(out, protected, flag: str = "--out", action: str = "export
         real = os.path.realpath(p)
         what = "is" if real == dest else "holds" if _inside(real, dest) else "lies inside" if _inside(dest, real) else None
         if what:
-            raise LoracError(f"{flag} {out} {what} {p}, which this {action} reads; choose another output path")
+            raise LoracError(f"--out {out} {what} {p}, which this export reads; choose another output path")
 
 
 def _inside(path: str, folder: str) -> bool:
