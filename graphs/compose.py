@@ -15,6 +15,7 @@ import onnx
 from .builder import INT64, GraphBuilder
 from .loss import logits_forward, loss_and_grad, loss_only
 from .norm import rmsnorm_backward, rmsnorm_forward
+from .offload import fetch, offload
 
 
 def family(spec):
@@ -36,9 +37,11 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     inputs, saved = [], []
     for L in layers:
         g.scope = f"L{L.idx}.fwd"
-        inputs.append(x)
+        recomputed = train.recomputes(spec, L.idx) and L.idx >= lowest
+        # with offload, a recomputed layer's input waits in host memory (graphs/offload.py)
+        inputs.append(offload(g, x, L.idx) if recomputed and train.offload else x)
         x, s = fam.layer_forward(c, x, L)
-        saved.append(None if (train.recomputes(spec, L.idx) or L.idx < lowest) else s)
+        saved.append(None if (recomputed or L.idx < lowest) else s)
     g.scope = "head"
     hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
     loss, dhN = loss_and_grad(g, hN, head, labels, train.batch, train.seq, spec.vocab, train.loss_chunk,
@@ -49,13 +52,14 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         g.scope = f"L{L.idx}.bwd"
         s = saved[L.idx]
         if s is None:  # checkpointing: recompute this layer's forward from its kept input
-            _, s = fam.layer_forward(c, inputs[L.idx], L)
+            x_in = fetch(g, inputs[L.idx], L.idx) if train.offload else inputs[L.idx]
+            _, s = fam.layer_forward(c, x_in, L)
         dx = fam.layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
     g.scope = "out"
     g.output(g.reshape(loss), "loss")
     for name in fam.lora_tensor_names(spec, train):
         g.output(grads[name], name + ".grad")
-    return g.finish(doc=fam.describe(spec, train, "training"), metadata=_metadata(fam))
+    return g.finish(doc=fam.describe(spec, train, "training"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 
 def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
@@ -63,7 +67,7 @@ def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     fam = family(spec)
     g, hN, head = _forward_only(fam, spec, train, dtype, "forward")
     g.output(g.reshape(logits_forward(g, hN, head, spec.logit_softcap), train.batch, train.seq, spec.vocab), "logits")
-    return g.finish(doc=fam.describe(spec, train, "forward"), metadata=_metadata(fam))
+    return g.finish(doc=fam.describe(spec, train, "forward"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 
 def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
@@ -73,10 +77,18 @@ def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     labels = g.input("labels", [train.batch, train.seq], INT64)
     g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk, spec.logit_softcap)),
              "loss")
-    return g.finish(doc=fam.describe(spec, train, "eval"), metadata=_metadata(fam))
+    return g.finish(doc=fam.describe(spec, train, "eval"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 
 RESIDUAL_KEY = "lorac.residual_dtype"  # graph metadata: "float32" where the stream must stay fp32
+
+
+def _data_prop(train) -> bool:
+    """ONNX shape inference's data propagation, which lorac's graphs never need (every shape is a
+    constant; the dense graphs come out the same without it), is off where weights are quantized:
+    it holds the long 1-D values of a dequantization as shapes (a Llama-3-8B layer's NF4 absmax:
+    ~6 GB and 14 s of shape inference a layer)."""
+    return not train.quant
 
 
 def _metadata(fam) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -87,7 +88,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.config:
         import tomllib
         try:
-            raw = tomllib.loads(Path(args.config).read_text())
+            from .files import open_regular
+            with open_regular(args.config, what="TOML config") as f:
+                raw = tomllib.loads(f.read())
             values = {_field(k): v for k, v in raw.items()}
             per_device = per_device or (args.batch is None and any(
                 "--" + k.replace("_", "-") == ALIASES["batch"] for k in raw))
@@ -121,7 +124,7 @@ def _check_types(values: dict, where: str) -> None:
         d = getattr(defaults, key)
         typed = next(f.metadata.get("type") for f in fields(TrainConfig) if f.name == key)
         if key == "checkpointing":  # on/off/auto, or true/false as when it was a switch
-            ok, kind = isinstance(v, (str, bool)), "auto, on, off, true or false"
+            ok, kind = isinstance(v, (str, bool)), "auto, on, off, offload, true or false"
         elif typed is float:
             ok, kind = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
         elif key == "lora_targets":
@@ -162,7 +165,10 @@ def _engine_from_checkpoint(args):
     from .train.checkpoint import load_checkpoint
     from .engine import make_engine
     from .model.source import resolve_model
-    TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers).check_backend()
+    checked = TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers)
+    checked.check_backend()  # --target webgpu: --backend ort (config.py)
+    args.target, args.backend = checked.target, checked.backend
+    _check_positive(args, "batch", "seq")
     lora, tcfg = None, {}
     if args.checkpoint:
         ck = load_checkpoint(args.checkpoint)
@@ -189,6 +195,15 @@ def _engine_from_checkpoint(args):
     return eng, tok, lora, source
 
 
+def _check_positive(args, *names) -> None:
+    """Flags that default to the checkpoint's value: given, each must be a positive number (0
+    or -1 silently meant the default, or an eval over no rows)."""
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            raise LoracError(f"--{name} must be positive, got {v}")
+
+
 def cmd_eval(args) -> int:
     from .data import load_dataset
     from .train.checkpoint import read_state
@@ -205,17 +220,21 @@ def cmd_eval(args) -> int:
         n = float((b["labels"][:, 1:] != -100).sum())
         total += eng.eval_loss(b, lora) * n
         count += n
-    print(json.dumps({"eval_loss": total / max(count, 1.0), "tokens": int(count)}))
+    if not count:  # a loss over nothing is no 0.0
+        raise LoracError(f"{args.data}: no token of it counts in the loss at --seq {eng.train.seq}; nothing to evaluate")
+    print(json.dumps({"eval_loss": total / count, "tokens": int(count)}))
     return 0
 
 
 def cmd_generate(args) -> int:
     from .generate import check_sampling, generate, prompt_ids
     from .generate import model_repetition_penalty
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, args.repetition_penalty or 1.0)
+    given = args.repetition_penalty  # 0 is a value (refused), not "the model's"
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, 1.0 if given is None else given,
+                   seed=args.seed)
     eng, tok, lora, source = _engine_from_checkpoint(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
-    penalty = args.repetition_penalty or model_repetition_penalty(source.path) or 1.0
+    penalty = given if given is not None else model_repetition_penalty(source.path) or 1.0
     new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,
                    penalty)
     print(tok.decode(new))
@@ -243,6 +262,15 @@ def cmd_export(args) -> int:
         path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
                                   base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"),
                                   warn=lambda m: print(m, file=sys.stderr))
+    elif args.format == "merged" and source.path.is_dir() and _quantized_dir(source.path):
+        # a bitsandbytes NF4 base: its weights dequantized through lorac's reference (bit for bit
+        # bitsandbytes' dequantize_4bit), merged, written dense (no quantization_config)
+        config, weights, tok = source.load()
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        print(f"the base {source.path} is quantized (bitsandbytes NF4): merging into its dequantized weights",
+              file=sys.stderr)
+        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora,
+                                            tokenizer=tok, dtype=args.dtype or "bfloat16")
     elif args.format == "merged" and source.path.is_dir():
         path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, dtype=args.dtype)
     elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory
@@ -261,6 +289,12 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _quantized_dir(path) -> bool:
+    from .model.quant import bnb_dir
+    from .model.weights import read_config
+    return bnb_dir.is_bnb(read_config(path), path)
+
+
 def _export_onnx(args) -> int:
     """The training/eval/forward graph of --checkpoint's run, or of --model with the given settings."""
     from lorac.graphs import ModelSpec, TrainSpec
@@ -268,10 +302,14 @@ def _export_onnx(args) -> int:
     from .train.checkpoint import load_checkpoint
     from .export.onnx import export_onnx
     from .model.source import resolve_model
+    _check_positive(args, "batch", "seq", "rank", "alpha")
     tcfg = load_checkpoint(args.checkpoint).state.get("train_config", {}) if args.checkpoint else {}
     config = resolve_model(args.model or tcfg.get("model")).config()
     spec = ModelSpec.from_hf_config(config)
-    targets = args.targets.split(",") if args.targets else _saved_targets(tcfg) or spec.targets
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()] if args.targets is not None else None
+    if targets == []:
+        raise LoracError(f"--targets {args.targets!r} names no LoRA target (leave it out for every linear layer)")
+    targets = targets or _saved_targets(tcfg) or spec.targets
     layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
     train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", DEFAULTS.seq),
                       lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", DEFAULTS.rank),
@@ -295,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="fine-tune a LoRA adapter (no arguments: the bundled demo)",
                        description="Fine-tune a LoRA adapter with LoRA+ AdamW. With no arguments: SmolLM2-135M-"
                                    "Instruct on the bundled Jargon File corpus, on this CPU, into ./lorac-out.")
+    # --quantized-base's short spelling, declared first so the field's own flag is its dest's action
+    p.add_argument("--dequantize", dest="quantized_base", action="store_const", const="dequantize",
+                   help="hold a quantized base dense, dequantized on load: --quantized-base dequantize")
     _add_train_flags(p)
     p.set_defaults(func=cmd_train)
     for name, helptext in (("eval", "loss of base model or checkpoint on a data file"),
@@ -366,8 +407,24 @@ def _dashes(arg: str) -> str:
     return name.replace("_", "-") + eq + value
 
 
+_NEGATIVE = re.compile(r"^-(\d|\.\d|inf$|nan$)", re.IGNORECASE)  # -1e-3, -5, -.5, -inf
+
+
+def _negative_values(argv: list[str]) -> list[str]:
+    """`--lr -1e-3` -> `--lr=-1e-3`: argparse takes a dash-led word for a flag (unless it looks like
+    a plain -5 or -0.5), so a negative value in exponent form was "expected one argument"; joined,
+    every value reaches the setting's own check, which names the flag."""
+    out = []
+    for a in argv:
+        if out and _NEGATIVE.match(a) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
-    argv = [_dashes(a) for a in (sys.argv[1:] if argv is None else argv)]
+    argv = _negative_values([_dashes(a) for a in (sys.argv[1:] if argv is None else argv)])
     if argv and argv[0] == "compile":
         return _guard(lambda: cmd_compile(argv[1:]))
     ap = build_parser()

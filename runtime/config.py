@@ -13,8 +13,17 @@ from . import devices
 from .errors import LoracError
 from .train.optim import LoraPlusConfig
 
+QUANTIZE = ("nf4", "int8")  # --quantize
+QUANTIZED_BASE = ("auto", "keep", "dequantize")  # --quantized-base
+
 CPU = "cpu"  # the default --target: every machine has one
-CHECKPOINTING = ("auto", "on", "off")
+# Sane ranges: (low, high, low included). Wider values are finite but only make every update
+# non-finite (every step skipped) or throw the adapter away in one step: lr 1 already moves each
+# LoRA value by about 1 per step; the LoRA scale alpha/r of common recipes is 0.25-4, LoRA+'s
+# ratio at most 2^8 in its paper; AdamW's decoupled decay beyond 1 flips the weights' sign.
+BOUNDS = {"lr": (0.0, 1.0, False), "loraplus_ratio": (0.0, 1000.0, False), "weight_decay": (0.0, 1.0, True),
+          "alpha": (0.0, 1000.0, False)}
+CHECKPOINTING = ("auto", "on", "off", "offload")
 
 
 @dataclass
@@ -47,7 +56,8 @@ class TrainConfig:
                             "and keep each example that fits within one row, padding the rest of a row; none: "
                             "documents run on across row ends (docs/DATA.md)")
     rank: int = setting(16, "LoRA rank r")
-    alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
+    alpha: float = setting(32.0, "LoRA alpha: the LoRA scale alpha/r (alpha/sqrt(r) with --rslora) must lie in "
+                           "(0, 1000]")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
     rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
     # None: every linear layer of the family (QLoRA/LoRA+ practice). Named lora_targets (as
     # TrainSpec's) so it is not one letter from `target`, the device; the flag stays --targets
@@ -55,6 +65,15 @@ class TrainConfig:
         None, "comma-separated LoRA targets (default: every linear layer of the model's family: "
         + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
         flag="--targets")
+    # QLoRA (graphs/quant.py): the base's linear projections held as quantized blocks, each
+    # dequantized just before the GEMMs that read it; "auto": the device's default (runtime/devices/)
+    quantize: str | None = setting(None, "quantize the frozen linear projections on load: nf4 (QLoRA's 4-bit "
+                                   "NormalFloat in bitsandbytes' layout, block 64, double-quantized absmax) or int8 "
+                                   "(per output channel); the graph dequantizes each weight just before its GEMMs "
+                                   "(docs/WEIGHTS.md)")
+    quantized_base: str = setting("auto", "how a quantized base (a *-bnb-4bit model, a quantized GGUF, --quantize) "
+                                  "is held: keep (its blocks: QLoRA's memory), dequantize (dense from load) or auto: "
+                                  "keep on cuda, dequantize on cpu (--dequantize: the same as dequantize)")
     trained_layers: str | None = setting(None, "adapt only layers A:B, or the layers i,j,k (no backward below the "
                                          "first)")  # "A:B": layers A..B-1 only (frozen prefix below A)
     lr: float = like(LoraPlusConfig, "lr", optimizer=True)
@@ -65,33 +84,36 @@ class TrainConfig:
     grad_accum: int = setting(1, "micro-batches per optimizer step")
     target: str = setting(CPU, f"where to train: {', '.join(devices.targets())} (runtime/devices/; docs/TARGETS.md: "
                           "a target whose runtime this machine lacks is refused at once, and --compile-only builds "
-                          "for any)")
+                          "for any; webgpu trains through onnxruntime's WebGPU plugin, --backend ort: pip install "
+                          "'lorac[webgpu]')")
     dtype: str | None = setting(None, "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend "
                                 "ort: float32)")
     backend: str = setting("tvm", "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install "
                            "'lorac[ort]')")  # "ort": runtime/engine/ort.py
     ort_providers: str | None = setting(
         None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
-        "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
+        "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu, or webgpu (the same as --target webgpu) "
+        "(default: cpu's, cuda's or webgpu's, by --target)")
     # "auto": the fastest setting whose estimated memory fits the GPU (runtime/train/memory.py);
     # a bare --checkpointing means on, as when the flag was a switch
-    checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, or "
-                                 "auto: on cuda the fastest setting (none, or the most --keep-layers) whose "
-                                 "estimated memory fits the GPU's free memory or --memory-budget; off elsewhere "
-                                 "(docs/RUNTIME.md)", bare="on")
+    checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, "
+                                 "offload (on, and the recomputed layers' inputs wait in pinned host memory: cuda), "
+                                 "or auto: on cuda the fastest setting (none, or the most --keep-layers, offloaded "
+                                 "or not) whose estimated memory fits the GPU's free memory or --memory-budget; off "
+                                 "elsewhere (docs/RUNTIME.md)", bare="on")
     keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
                                "(faster, more memory); given alone, turns checkpointing on")
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
                                           "(default: the GPU's free memory less a reserve)", type=float)
     loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
-                              "logits fit 1.5 GiB)")
+                              "logits fit 1.5 GiB, on webgpu 512 MiB)")
     scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
                               "graphs/mamba.py DEVICE_CHUNK)")
     eval_every: int = setting(10, "steps between evals")
     eval_batches: int = setting(4, "batches per eval (0: no eval)")
     save_every: int = setting(20, "steps between checkpoints")
-    keep_checkpoints: int = setting(2, "checkpoints kept")
-    seed: int = setting(0, "random seed (LoRA init and data order)")
+    keep_checkpoints: int = setting(2, "checkpoints kept (at least 1)")
+    seed: int = setting(0, "random seed (LoRA init and data order), an integer >= 0")
     resume: str | None = setting(None, "continue from a checkpoint directory (or OUT/checkpoints)")
     adapter: str | None = setting(None, "start from this PEFT adapter directory (its rank, alpha, targets and "
                                   "layers replace --rank, --alpha, --targets, --trained-layers)")
@@ -135,16 +157,29 @@ class TrainConfig:
                 raise LoracError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
         for key in ("lr", "alpha", "loraplus_ratio", "weight_decay", "max_grad_norm", "eval_fraction"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise LoracError(f"--{key.replace('_', '-')} must be a finite number, got {v!r}")
-        if self.lr <= 0 or self.alpha <= 0 or self.loraplus_ratio <= 0:
-            raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
+        self.check_bounds()
+        for key in ("warmup", "loss_chunk", "sample_tokens", "seed"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise LoracError(f"--{key.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.keep_checkpoints, int) or isinstance(self.keep_checkpoints, bool) or self.keep_checkpoints < 1:
+            raise LoracError(f"--keep-checkpoints must be an integer >= 1 (the checkpoints kept; the one just "
+                             f"written always stays), got {self.keep_checkpoints!r}")
+        if self.lora_targets is not None and not [t for t in self.lora_targets if str(t).strip()]:
+            raise LoracError(f"--targets {','.join(self.lora_targets)!r} names no LoRA target (leave it out for every "
+                             "linear layer)")
         if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
             raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
         if isinstance(self.checkpointing, bool):  # configs and checkpoints from when it was a switch
             self.checkpointing = "on" if self.checkpointing else "off"
         if self.checkpointing not in CHECKPOINTING:
-            raise LoracError(f"--checkpointing must be auto, on or off, got {self.checkpointing!r}")
+            raise LoracError(f"--checkpointing must be auto, on, off or offload, got {self.checkpointing!r}")
+        if self.checkpointing == "offload" and (self.backend != "tvm" or not getattr(
+                devices.for_target(self.target), "OFFLOADS", False)):
+            raise LoracError(f"--checkpointing offload keeps inputs in host memory beside a GPU; --target "
+                             f"{self.target} --backend {self.backend} has no such device memory (use on)")
         if not isinstance(self.keep_layers, int) or isinstance(self.keep_layers, bool) or self.keep_layers < 0:
             raise LoracError(f"--keep-layers must be an integer >= 0, got {self.keep_layers!r}")
         if self.keep_layers and self.checkpointing == "off":
@@ -166,6 +201,12 @@ class TrainConfig:
             raise LoracError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        if self.quantize not in (None,) + QUANTIZE:
+            raise LoracError(f"--quantize must be {' or '.join(QUANTIZE)}, got {self.quantize!r}")
+        if self.quantized_base not in QUANTIZED_BASE:
+            raise LoracError(f"--quantized-base must be {', '.join(QUANTIZED_BASE)}, got {self.quantized_base!r}")
+        if self.quantize and self.quantized_base == "dequantize":
+            raise LoracError("--quantize keeps the base quantized; it cannot be combined with --dequantize")
         if self.packing not in ("auto",) + PACKINGS:
             raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
         from .data.fit import check_truncation
@@ -174,15 +215,36 @@ class TrainConfig:
         check_report_settings(self.progress, self.report_to)
         self.check_backend()
 
+    def check_bounds(self):
+        """The optimizer's and the LoRA's numbers within BOUNDS (a finite value far outside them
+        only makes every gradient non-finite and every step skipped: --alpha 1e30)."""
+        scale = self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank) if self.rank else self.alpha
+        for key, value in (("lr", self.lr), ("loraplus_ratio", self.loraplus_ratio),
+                           ("weight_decay", self.weight_decay), ("alpha", scale)):
+            lo, hi, closed = BOUNDS[key]
+            if not (lo <= value <= hi if closed else lo < value <= hi):
+                what = f"the LoRA scale --alpha/{'sqrt(r)' if self.rslora else 'r'} = {scale:g}" if key == "alpha" \
+                    else f"--{key.replace('_', '-')} {value:g}"
+                raise LoracError(f"{what} must lie in {'[' if closed else '('}{lo:g}, {hi:g}]")
+
     def check_backend(self):
         """--target, --backend and --ort-providers, before anything loads: a target this machine
         cannot train on is one line here (runtime/devices/), not an error deep inside TVM."""
         if self.backend not in ("tvm", "ort"):
             raise LoracError(f"--backend must be tvm or ort, got {self.backend!r}")
         devices.for_target(self.target)  # an unknown target: one line naming the known ones
+        # WebGPU trains through onnxruntime's plugin (TVM's webgpu artifacts run in browsers):
+        # --target webgpu is short for --backend ort --ort-providers webgpu, and the reverse
+        if self.target == "webgpu" and not self.compile_only:
+            self.backend = "ort"
+        elif self.backend == "ort" and self.target == CPU and _names_webgpu(self.ort_providers):
+            self.target = "webgpu"
         if self.backend == "ort":
             if self.compile_only:
                 raise LoracError("--compile-only fills the TVM artifact cache; --backend ort compiles nothing ahead")
+            if self.target == "webgpu":  # the plugin and an adapter, or one line now
+                from .engine.ort_webgpu import check
+                check()
         elif self.ort_providers:
             raise LoracError("--ort-providers is for --backend ort")
         elif not self.compile_only:
@@ -198,3 +260,16 @@ class TrainConfig:
         except ValueError:
             raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
         return range(lo, hi)
+
+    def keeps_quantized(self) -> bool:
+        """Whether a quantized base stays in its blocks (--quantized-base, else the device's default)."""
+        if self.quantize or self.quantized_base == "keep":
+            return True
+        if self.quantized_base == "dequantize":
+            return False
+        return bool(getattr(devices.for_target(self.target), "KEEPS_QUANTIZED", False))
+
+
+def _names_webgpu(providers: str | None) -> bool:
+    """Whether --ort-providers names onnxruntime's WebGPU plugin ("webgpu", "WebGpuExecutionProvider")."""
+    return any(p.strip().lower().removesuffix("executionprovider") == "webgpu" for p in (providers or "").split(","))

@@ -97,6 +97,21 @@ def gpu_memory_free() -> int | None:
     return info and info[0]
 
 
+def check_plan(manifest: dict, device, what: str) -> None:
+    """Once a graph is compiled, before its first call allocates it: its static memory plan
+    (manifest `memory.static_plan_bytes`, what TVM allocates for activations and workspace)
+    against what the device has free now (the weights are loaded already). The lower bound of
+    check_memory is far below a real plan (a 100000 x 32 step: 4 GiB bound, 27.7 GB planned),
+    and past it TVM's allocation failed with a bare `std::bad_alloc`."""
+    plan = (manifest.get("memory") or {}).get("static_plan_bytes")
+    have = getattr(device, "memory_free", lambda: None)()
+    if isinstance(plan, int) and have is not None and plan > have:
+        where = "the GPU" if getattr(device, "NAME", "") == "cuda" else "this machine"
+        raise LoracError(f"the compiled {what} graph needs {plan / 2**30:.1f} GiB for its activations and workspace, "
+                         f"{where} has {have / 2**30:.1f} GiB available; lower --batch or --seq (or use "
+                         "--checkpointing / --loss-chunk)")
+
+
 def check_memory(spec, train, n_weights: int, target: str, packed_bytes: int = 0) -> None:
     """Refuse a step whose lower-bound memory exceeds what the machine (cpu) or the GPU
     (cuda, when one is visible) has available."""

@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -47,6 +48,7 @@ import numpy as np
 from .fit import PromptLeft, check_truncation
 from .formats import normalize_record
 from ..errors import LoracError
+from ..files import open_regular
 
 IGNORE = -100           # HF's label for "no loss here"
 PACKINGS = ("plain", "isolated")  # how documents share a row (module doc)
@@ -85,7 +87,7 @@ def read_records(path):
 
 
 def _read_jsonl(path):
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open_regular(path, what="data file", encoding="utf-8", errors="strict") as f:
         for lineno, line in enumerate(_lines(f, path, MAX_LINE + 1), 1):
             if len(line) > MAX_LINE:
                 raise LoracError(f"{path}:{lineno}: line longer than {MAX_LINE >> 20} M characters; "
@@ -96,13 +98,15 @@ def _read_jsonl(path):
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise LoracError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:  # [[[[... deeper than Python's stack
+                raise LoracError(f"{path}:{lineno}: JSON nested too deeply") from None
             if not isinstance(record, dict):
                 raise LoracError(f"{path}:{lineno}: a JSON object is expected, got {type(record).__name__}")
             yield lineno, record
 
 
 def _read_text(path):
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open_regular(path, what="data file", encoding="utf-8", errors="strict") as f:
         para, size, start, cont = [], 0, 1, False
         # read in parts of at most MAX_PARAGRAPH chars, so one endless line is cut like a paragraph;
         # a part cut from the middle of a line is never a blank line
@@ -165,7 +169,7 @@ def document_pieces(record, tokenizer, where):
 def tokenize_chunk(chunk, tokenizer, vocab_size, path):
     """[(lineno, record)] -> [(ids int32, mask uint8, new_doc)], one per record; new_doc is
     False for the second and later pieces of a long plain-text paragraph (one document)."""
-    pieces = [document_pieces(r, tokenizer, f"{path}:{n}") for n, r in chunk]
+    pieces = [valid_text(document_pieces(r, tokenizer, f"{path}:{n}"), f"{path}:{n}") for n, r in chunk]
     out = []
     for (lineno, record), (text, spans, eos, bos), (ids, mask) in zip(chunk, pieces, encode_masked(tokenizer, pieces)):
         if bos and tokenizer.add_bos:
@@ -180,6 +184,20 @@ def tokenize_chunk(chunk, tokenizer, vocab_size, path):
                              f"{vocab_size} (tokenizer and model do not match)")
         out.append((ids, mask, not record.get(CONTINUED, False)))
     return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(piece, where):
+    """A document's text must be Unicode the tokenizer can encode: JSON lets an escape name half
+    of a UTF-16 pair ("\\ud800") alone, which no UTF-8 holds and the tokenizer refuses with a
+    TypeError."""
+    m = _SURROGATE.search(piece[0])
+    if m:
+        raise LoracError(f"{where}: a lone UTF-16 surrogate {ascii(m.group())[1:-1]} at character {m.start()} of the "
+                         "text, which is not valid Unicode (a \\uD800-\\uDFFF escape without its pair?)")
+    return piece
 
 
 def encode_masked(tokenizer, pieces):

@@ -18,9 +18,13 @@ optional:
     gemm(ta, tb, a, b, out, accumulate=False)   its GEMM library (runtime/engine/gemm.py)
     memory_free() -> int | None                 bytes a step may use (runtime/limits.py)
     CAPTURES_GRAPHS    the training step may run as captured device graphs (CUDA graphs)
+    KEEPS_QUANTIZED    --quantized-base auto keeps a quantized base's blocks here (default False:
+                       dequantized on load)
+    OFFLOADS           --checkpointing offload: checkpointed inputs may wait in host memory
     ORT_PROVIDERS, ORT_MEMORY
                    `--backend ort`: the execution providers used by default and the
                    onnxruntime device the IO-bound buffers live on (runtime/engine/ort.py)
+    LOSS_CHUNK_BYTES  the default --loss-chunk keeps a chunk's fp32 logits within this
 Importing a device module imports neither TVM nor any device library.
 """
 from __future__ import annotations

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lorac.core import atomic
+
 from .. import devices
 from ..errors import LoracError
 from ..files import respect_umask
 from ..config import CPU, TrainConfig
-from .report import Report, compile_all, data_lines
+from .report import Report, compile_all, data_lines, skipped_verdict
 
 def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
     """--packing auto (or None) -> "isolated" where the model family implements it and the
@@ -32,6 +34,18 @@ def resolve_packing(packing: str | None, spec, target: str = CPU) -> str:
         from lorac.graphs.families import for_spec
         return "isolated" if for_spec(spec).PACKING_ISOLATED and target != "cuda" else "plain"
     return packing
+
+
+def _quantized(weights: dict, log) -> tuple:
+    """TrainSpec.quant of the loaded weights (their quantized projections), logged in one line."""
+    from lorac.graphs.quant import detect
+    quant = tuple(sorted(detect(weights).items()))
+    if quant:
+        kinds = sorted({q.kind for _, q in quant})
+        size = sum(w.nbytes for n, w in weights.items() if ".weight." in n)
+        log(f"base: {len(quant)} linear weights kept quantized ({', '.join(kinds)}; {size / 1e9:.2f} GB of blocks "
+            "and scales), each dequantized just before its GEMMs (--dequantize: dense instead)")
+    return quant
 
 
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
@@ -60,14 +74,16 @@ class Run:
             self.log = lambda msg: None
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
-        self.model_config, weights, self.tokenizer = self.source.load()
+        self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, cfg.keeps_quantized())
         self.spec = ModelSpec.from_hf_config(self.model_config)
+        quant = _quantized(weights, self.log)
         self.adapter = None
         if cfg.adapter:  # the adapter's settings replace the flags it decides
             from ..model.adapter_in import read_adapter
             self.adapter = a = read_adapter(cfg.adapter, self.spec)
             cfg = self.cfg = replace(cfg, rank=a.rank, alpha=a.alpha, rslora=a.rslora, lora_targets=a.targets,
                                      trained_layers=a.trained_layers(self.spec.layers))
+            cfg.check_bounds()  # the adapter's alpha, as --alpha's
             self.log(f"adapter: {a.describe()}")
         packing = resolve_packing(cfg.packing, self.spec, cfg.target)
         if packing != cfg.packing:  # checkpoints record what ran
@@ -87,15 +103,18 @@ class Run:
         # --gpus N, in one process, compiles that step too)
         workers = dp.size if dp.size > 1 else max(cfg.gpus, 1)
         loss_chunk = cfg.loss_chunk
-        if loss_chunk == 0 and cfg.target == "cuda":  # bound the [tokens, vocab] logits on GPUs
+        budget = getattr(devices.for_target(cfg.target), "LOSS_CHUNK_BYTES", None)
+        if loss_chunk == 0 and budget:  # bound the [tokens, vocab] logits on GPUs
             from lorac.graphs.loss import auto_chunk
-            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq)
+            loss_chunk = auto_chunk(self.spec.vocab, cfg.batch // workers * cfg.seq, budget)
             if loss_chunk:
-                self.log(f"loss chunk: {loss_chunk} tokens (cuda default: fp32 logits of a chunk <= 1.5 GiB)")
+                self.log(f"loss chunk: {loss_chunk} tokens ({cfg.target} default: fp32 logits of a chunk <= "
+                         f"{budget / 2**30:g} GiB)")
         self.train_spec = TrainSpec(batch=cfg.batch // workers, seq=cfg.seq, lora_targets=tuple(cfg.lora_targets or self.spec.targets), rank=cfg.rank,
                                     alpha=cfg.alpha, rslora=cfg.rslora, trained_layers=cfg.layer_range(self.spec.layers),
-                                    checkpointing=cfg.checkpointing == "on", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
-                                    packing=cfg.packing, extra=extra)
+                                    checkpointing=cfg.checkpointing in ("on", "offload"),
+                                    offload=cfg.checkpointing == "offload", keep_layers=cfg.keep_layers, loss_chunk=loss_chunk,
+                                    packing=cfg.packing, quant=quant, extra=extra)
         from .memory import frozen_sizes
         n_weights, packed = frozen_sizes(weights)
         if cfg.checkpointing == "auto":
@@ -112,6 +131,9 @@ class Run:
         self.eval_path = eval_path
         for line in data_lines(data_path, self.data.describe()):
             self.log(line)
+        if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
+            self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
+            cfg = self.cfg = replace(cfg, eval_batches=0)
         self.optim_cfg = cfg.optim_config()
         from ..engine import make_engine
         if cfg.target == "cpu" and cfg.backend == "tvm" and not cfg.compile_only:
@@ -130,11 +152,13 @@ class Run:
         in the config too (checkpoints record what ran; a resumed run compiles the same graph)."""
         from . import memory as step_memory
         cfg, train, log = self.cfg, self.train_spec, self.log
+        off = False
         if cfg.resume:  # the checkpoint's graph
             from .checkpoint import read_state
             saved = read_state(cfg.resume).get("train_config") or {}
             ckpt, keep = saved.get("checkpointing", False), int(saved.get("keep_layers") or 0)
-            ckpt = ckpt if isinstance(ckpt, bool) else ckpt == "on"
+            off = ckpt == "offload"
+            ckpt = ckpt if isinstance(ckpt, bool) else ckpt in ("on", "offload")
             why = f"the checkpoint's setting ({cfg.resume})"
         elif cfg.keep_layers:
             ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
@@ -142,18 +166,21 @@ class Run:
             ckpt, keep, why = False, 0, f"auto is off on --target {cfg.target}" if cfg.backend == "tvm" else \
                 "auto is off on --backend ort"
         else:
-            free = None if cfg.memory_budget is not None else devices.for_target(cfg.target).memory_free()
+            device = devices.for_target(cfg.target)
+            free = None if cfg.memory_budget is not None else device.memory_free()
             budget, source = step_memory.budget_from(free, cfg.memory_budget)
             gather = getattr(self.dp, "gather", None)
             if gather is not None and budget is not None:  # every worker compiles the same step
                 budget = int(gather([budget], "the memory budgets").min())
                 source += f", the least of {self.dp.size} workers"
-            dtype = cfg.dtype or devices.for_target(cfg.target).DEFAULT_DTYPE
-            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source, packed)
-            ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
-        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
-        self.cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)
-        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)))} ({why})")
+            dtype = cfg.dtype or device.DEFAULT_DTYPE
+            choice = step_memory.choose(self.spec, train, n_weights, dtype, budget, source, packed,
+                                        offload=getattr(device, "OFFLOADS", False))
+            ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
+        off = off and ckpt
+        self.train_spec = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
+        self.cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(self.spec)), off)} ({why})")
 
     # -- state ------------------------------------------------------------------------------
     def fresh_state(self):
@@ -290,6 +317,9 @@ def train(cfg: TrainConfig, log=None) -> dict:
     if cfg.compile_only:
         return precompile(Run(cfg, log))
     workers = distributed.setup(cfg)
+    if workers.main:  # before anything is written or trained (outdir.py)
+        from .outdir import check_run_dir
+        check_run_dir(cfg)
     lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
     try:
         # whatever _train opens or installs (the metrics file, the signal handlers) it hands to
@@ -321,6 +351,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
     from .optim import group_lrs
 
     run = Run(cfg, log)
+    cfg = run.cfg  # as resolved: packing, checkpointing, an adapter's settings, no eval without an eval set
     log, dp = run.log, run.dp
     out = Path(cfg.out)
     dp.check_identity(run)
@@ -422,7 +453,10 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    data=run.data.describe())
     if gpu_in_use is not None:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
-    if not interrupted:
+    if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (runtime/engine/ort.py)
+        summary["device"] = eng.describe()
+    failed = summary["failed"] = None if interrupted else skipped_verdict(st["step"], st["skipped"])
+    if not interrupted and not failed:
         from ..export import PeftRefused, export_peft
         from .plot import plot_metrics
         try:
@@ -434,7 +468,9 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
             adapter = None
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic.write_text(out / "summary.json", json.dumps(summary, indent=1))  # never through a link
+    if failed:  # a run that learned nothing does not exit 0 (report.skipped_verdict)
+        raise LoracError(f"{failed} (summary: {out / 'summary.json'})")
     return summary
 
 

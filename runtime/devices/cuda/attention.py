@@ -132,7 +132,7 @@ def prepare(manifest: dict, dev) -> None:
     import tvm
     import tvm_ffi
 
-    calls = manifest.get("unit_calls", [])
+    calls = [c for c in manifest.get("unit_calls", []) if c.get("function") in (FWD, BWD)]
     if not calls:
         return
     _init()
