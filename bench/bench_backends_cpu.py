@@ -5,7 +5,7 @@
 
 One step = forward + backward + LoRA+ AdamW (r=16, alpha 32, all seven targets), fp32, 4x256
 tokens, random weights and ids, `--threads` threads everywhere:
-- tvm: lorac's Engine (compiled artifacts, numpy BLAS GEMMs), step + update;
+- tvm: lorac's Engine (compiled artifacts, GEMMs on OpenBLAS or MKL per shape), step + update;
 - ort: lorac's OrtEngine (the same ONNX graphs on onnxruntime's CPU provider, IO binding);
 - torch: transformers' model + PEFT LoRA + torch.optim.AdamW (LoRA+ groups), eager.
 Each measurement is a fresh process (so no thread pool of one spins beside another), in

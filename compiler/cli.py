@@ -8,7 +8,7 @@ from .pipeline import DTYPES, FAMILIES
 
 _EPILOG = """\
 targets:
-  cpu      this host's CPU (LLVM); GEMMs on numpy's BLAS at run time
+  cpu      this host's CPU (LLVM); GEMMs on OpenBLAS or MKL at run time
   aarch64  64-bit Arm Linux CPUs (LLVM cross build; needs gcc-aarch64-linux-gnu)
   cuda     NVIDIA sm_90 (H100/H200); DLight kernels, cuBLAS GEMMs, device code
            compiled here with nvcc and shipped in the artifact

@@ -9,7 +9,7 @@ means "read this operand with its last two axes swapped":
 and every sum of GEMMs the compiler fused (compiler/passes/gemm_sum.py) into a call of
 `lorac.gemm_acc_<layouts>(a1, b1, a2, b2, ..., out)`: the first GEMM writes `out`, the
 others add into it. One registered function per layout dispatches on the output's
-device to that runtime device's GEMM library (runtime/devices/: numpy's BLAS on the
+device to that runtime device's GEMM library (runtime/devices/: OpenBLAS or MKL on the
 CPU, runtime/devices/cpu/blas.py; cuBLAS on CUDA, runtime/devices/cuda/cublas.py).
 """
 from __future__ import annotations
