@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Create ./.venv and install lorac with the given extras (default: compile,test).
+# Create ./.venv and install lorac with the given extras (default: compile,test,mkl; mkl: the
+# CPU GEMMs on Intel MKL where it is faster, x86-64 Linux only, a no-op elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-compile,test}"
+extras="${1:-compile,test,mkl}"
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/python -m pip install -q --upgrade pip
 # onnxruntime-training and plain onnxruntime install the same module: an older .venv that has
