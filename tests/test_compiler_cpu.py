@@ -96,6 +96,9 @@ def test_manifest(graph, art):
     assert m["outputs"][0] == {"name": "loss", "shape": [], "dtype": "float32"}
     # every matmul went to BLAS, none is left to an untuned TVM kernel
     assert m["gemm"]["dispatched"] == count_matmuls(model) and m["units"] == [] and m["unit_calls"] == [] and m["gemm"]["left_to_tvm"] == []
+    # the LoRA sums x W^T + u B^T run as accumulating GEMM calls (beta = 1), whose numbers
+    # test_matches_onnxruntime checks
+    assert any(n.startswith("lorac.gemm_acc_nt") for n in m["gemm"]["accumulating"])
     assert m["memory"]["static_plan_bytes"] > 0 and m["memory"]["runtime_allocations"] >= 0
     assert m["tune"] == 0  # part of the cache key: a --tune build never answers for an untuned one
     assert (art / m["library"]).is_file()

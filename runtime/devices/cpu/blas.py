@@ -64,8 +64,13 @@ def blas_info() -> str:
 
 
 def _single_threaded() -> None:
-    if _blas_local is not None and not getattr(_tls, "single", False):
-        _blas_local(1)
+    """Once per calling thread: every library runs this thread's calls on it alone."""
+    if not getattr(_tls, "single", False):
+        if _blas_local is not None:
+            _blas_local(1)
+        for lib in _libs.values():
+            if getattr(lib, "one_thread", None) is not None:
+                lib.one_thread()
         _tls.single = True
 
 

@@ -23,8 +23,9 @@ _MKL_SEQUENTIAL = 1
 
 
 class Cblas:
-    def __init__(self, name: str, fn, int_type, version: str, path: str):
+    def __init__(self, name: str, fn, int_type, version: str, path: str, one_thread=None):
         self.name, self._fn, self.version, self.path = name, fn, version, path
+        self.one_thread = one_thread  # makes the calling thread's calls single-threaded, or None
         i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         n = int_type
         fn.argtypes = [i, i, i, n, n, n, f, p, n, p, n, f, p, n]
@@ -115,8 +116,11 @@ def mkl() -> Cblas | None:
         if layer is None:
             continue
         layer.argtypes = [ctypes.c_int]
-        layer(_MKL_SEQUENTIAL)
+        layer(_MKL_SEQUENTIAL)  # no effect where MKL already ran (numpy built on MKL): then
+        local = lib.MKL_Set_Num_Threads_Local  # each calling thread asks for one thread
+        local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
         buf = ctypes.create_string_buffer(256)
         lib.MKL_Get_Version_String(buf, 256)
-        return Cblas("mkl", lib.cblas_sgemm, ctypes.c_int, buf.value.decode(errors="replace").strip(), path)
+        return Cblas("mkl", lib.cblas_sgemm, ctypes.c_int, buf.value.decode(errors="replace").strip(), path,
+                     lambda: local(1))
     return None
