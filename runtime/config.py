@@ -151,9 +151,9 @@ class TrainConfig:
             raise LoracError(f"--memory-budget must be a positive number of GB, got {self.memory_budget!r}")
         if not isinstance(self.tune, int) or isinstance(self.tune, bool) or self.tune < 0:
             raise LoracError(f"--tune must be an integer >= 0 (0: no tuning), got {self.tune!r}")
-        if self.tune and (self.backend != "tvm" or self.target not in ("cpu", "cuda")):
-            raise LoracError(f"--tune tunes TVM's kernels for --target cpu or cuda, not --backend {self.backend} "
-                             f"--target {self.target}")
+        if self.tune and (self.backend != "tvm" or self.target not in devices.tuned_targets()):
+            raise LoracError(f"--tune tunes TVM's kernels for --target {' or '.join(devices.tuned_targets())}, not "
+                             f"--backend {self.backend} --target {self.target}")
         if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0:
             raise LoracError(f"--gpus must be an integer >= 0, got {self.gpus!r}")
         if self.gpus > 1 and self.batch % self.gpus:
@@ -181,6 +181,18 @@ class TrainConfig:
             raise LoracError("--ort-providers is for --backend ort")
         elif not self.compile_only:
             devices.check_trainable(self.target)
+
+    def train_spec(self, spec, *, workers: int = 1, loss_chunk: int | None = None, extra: dict | None = None):
+        """The TrainSpec these settings train `spec` with (the one place a TrainSpec is made from
+        settings: runtime/train/plan.py, eval, generate, export --format onnx): a data-parallel
+        worker's share of --batch; `loss_chunk` as resolved for the device (default --loss-chunk);
+        `extra`: the model family's own options (train_extra)."""
+        from lorac.graphs import TrainSpec
+        return TrainSpec(batch=self.batch // workers, seq=self.seq, lora_targets=tuple(self.lora_targets or spec.targets),
+                         rank=self.rank, alpha=self.alpha, rslora=self.rslora,
+                         trained_layers=self.layer_range(spec.layers), checkpointing=self.checkpointing == "on",
+                         keep_layers=self.keep_layers, loss_chunk=self.loss_chunk if loss_chunk is None else loss_chunk,
+                         packing=self.packing, extra=dict(extra or {}))
 
     def layer_range(self, n_layers: int):
         if not self.trained_layers:

@@ -9,7 +9,7 @@ import pytest
 
 from lorac.runtime.errors import LoracError
 from lorac.runtime.config import TrainConfig
-from lorac.runtime.train.run import train
+from lorac.runtime.train.loop import train
 from tiny_model import make_model_dir
 
 pytest.importorskip("tvm")

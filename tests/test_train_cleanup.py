@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from lorac.runtime.train import run as tr
+from lorac.runtime.train import loop as tr
 from lorac.runtime.dist import Single
 
 
@@ -45,7 +45,7 @@ def test_a_failing_run_closes_its_metrics_and_restores_the_signal_handlers(tmp_p
     monkeypatch.setattr(tr, "Run", _FailingRun)
     monkeypatch.setattr(tr, "Report", Report)
     monkeypatch.setattr(tr, "compile_all", lambda *a: None)
-    monkeypatch.setattr(tr, "graph_kinds", lambda run: [])
+    monkeypatch.setattr(tr, "graph_kinds", lambda *a: [])
     mine = lambda n, f: None  # noqa: E731 - a handler of the caller's, to be given back
     before = {sig: signal.signal(sig, mine) for sig in tr.STOP_SIGNALS}
     try:

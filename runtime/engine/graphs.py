@@ -87,7 +87,7 @@ class Graphs:
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
         "forward:B,S" (the forward graph for ids of shape [B, S])."""
-        from lorac.graphs import TrainSpec, build_eval_graph, build_forward_graph, build_training_graph
+        from lorac.graphs import build_eval_graph, build_forward_graph, build_training_graph
         from lorac.graphs.optimizer import build_optimizer_graph
         if kind in ("train", "eval"):
             emit = build_training_graph if kind == "train" else build_eval_graph
@@ -95,11 +95,10 @@ class Graphs:
         if kind == "adamw":  # lr and step are inputs; the graph is built from its key's constants alone
             c = AdamWConstants.of(self.optim_cfg)
             return (lambda: build_optimizer_graph(self.shapes, c)), (self.shapes, c), "float32"
-        # generation: one document a row, so the plain causal graph (no position_ids) is exact
+        # generation: one document a row, so the plain causal graph (no position_ids) is exact;
+        # the same adapter at another shape, no backward (no recompute, one loss chunk)
         b, s = (int(x) for x in kind.split(":")[1].split(","))
-        t = self.train
-        fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
-                        trained_layers=t.trained_layers, extra=t.extra)
+        fwd = replace(self.train, batch=b, seq=s, checkpointing=False, keep_layers=0, loss_chunk=0, packing="plain")
         return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
 
     @staticmethod

@@ -177,6 +177,36 @@ def model_config(path) -> dict:
     return read_config(path)
 
 
+def parameter_count(path) -> int:
+    """How many numbers a model's weights hold (what load_model would return, counted), from
+    the safetensors headers or the GGUF tensor infos: no tensor is read."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf import open_gguf
+        return sum(int(t.n_elements) for t in open_gguf(path).tensors)
+    if os.path.isfile(path):
+        raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
+    if not os.path.isdir(path):
+        raise LoracError(f"model directory not found: {path}")
+    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(single):
+        return sum(int(np.prod(e["shape"])) for e in read_safetensors_header(single)[0].values())
+    if not os.path.exists(index):
+        raise LoracError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise LoracError(f"{index}: not a safetensors index (no weight_map)") from None
+    count = 0
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.exists(os.path.join(path, shard)):
+            raise LoracError(f"{index}: shard {shard} is missing")
+        header = read_safetensors_header(os.path.join(path, shard))[0]
+        count += sum(int(np.prod(header[n]["shape"])) for n, s in weight_map.items() if s == shard and n in header)
+    return count
+
+
 def load_model(path, dtype=np.float32) -> tuple[dict, dict]:
     """(config dict, weights) from an HF model directory or a .gguf file."""
     path = os.fspath(path)
