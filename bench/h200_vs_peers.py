@@ -45,7 +45,12 @@ MAMBA_PEER_TARGETS = ("in_proj", "x_proj", "dt_proj")  # what the PEFT peer trai
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                  rope_theta=500000.0)
-# name: (config, peer model name, B, S, lorac TrainSpec extras, peer modes)
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+              "num_attention_heads": 64}
+# name: (config, peer model name, B, S, lorac TrainSpec extras, peer modes); extras "quant": every
+# linear projection's weight quantized so (graphs/quant.py; random blocks), "memory_budget": what
+# --checkpointing auto picks for `lorac train --memory-budget GB`; a peer mode "fast:MODE" runs
+# shared/bench/peer_fast_gpu.py's MODE (Unsloth; copy it next to this script or set PEER_FAST)
 CASES = {
     "q06-8x1024": (QWEN3_06B, "qwen3-0.6b", 8, 1024, {"loss_chunk": 2048}, ["compile"]),
     "q06-1x512": (QWEN3_06B, "qwen3-0.6b", 1, 512, {}, ["reduce-overhead"]),
@@ -68,6 +73,15 @@ CASES = {
                          []),  # 512-token loss chunks: 0.26 GB less than 1024, room for one more kept layer
     # `lorac train --memory-budget 40`: the setting --checkpointing auto picks (runtime/train/memory.py)
     "8b-4x2048-auto40": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 40.0}, ["compile"]),
+    # QLoRA: an NF4 base (bitsandbytes' layout, double-quantized absmax) against Unsloth's 4-bit run
+    "8b-4x2048-nf4-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "memory_budget": 10.0},
+                             ["fast:unsloth-4bit-gc"]),
+    "8b-1x2048-nf4-auto8": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "memory_budget": 8.0},
+                            ["fast:unsloth-4bit-gc"]),
+    "8b-4x2048-nf4-full": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "checkpointing": True, "loss_chunk": 1024},
+                           []),
+    # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
+    "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
     "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
@@ -89,6 +103,11 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0):
     fam = for_spec(spec)
     kw = {"loss_chunk": auto_chunk(spec.vocab, B * S), **extra}  # `lorac train`'s CUDA default
     budget = kw.pop("memory_budget", None)
+    kind = kw.pop("quant", None)
+    if kind:
+        from lorac.graphs.quant import Quant
+        q = Quant(kind, 64, True) if kind == "nf4" else Quant(kind)
+        kw["quant"] = tuple(sorted((fam.weight_name(i, t), q) for i in range(spec.layers) for t in fam.TARGETS))
     targets = MAMBA_PEER_TARGETS if spec.arch == "mamba" else fam.TARGETS  # what the PEFT peer trains
     train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, extra=fam.train_extra("cuda", 0), **kw)
     if budget is not None:
@@ -103,11 +122,17 @@ def auto_checkpointing(spec, train, budget_gb: float):
     """`train` with the checkpointing `lorac train --memory-budget budget_gb` picks (decoder shapes)."""
     from dataclasses import replace
 
+    from lorac.graphs.quant import quant_inputs
     from lorac.runtime.train import memory as step_memory
     D, L, q, kv = spec.hidden, spec.layers, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     n_weights = spec.vocab * D * (1 if spec.tied else 2) + L * (2 * D * q + 2 * D * kv + 3 * D * spec.intermediate + 2 * D) + D
+    packed = 0
+    for name, qt in train.quant:  # quantized projections: their blocks instead of dense elements
+        out, inp = spec.proj_shape(name.split(".")[-2])
+        n_weights -= out * inp
+        packed += sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in quant_inputs(qt, name, out, inp))
     budget, source = step_memory.budget_from(None, budget_gb)
-    c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source)
+    c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed)
     print(f"memory: auto: {step_memory.describe(c.checkpointing, c.keep_layers, L)} ({c.why})", flush=True)
     return replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers)
 
@@ -158,6 +183,9 @@ def case_engine(cache: str, case: str, tune: int = 0):
         if i["name"] in ("input_ids", "labels") or "lora_" in i["name"]:
             continue
         n = int(np.prod(i["shape"]))
+        if ".weight." in i["name"]:  # a quantized weight's blocks and scales (graphs/quant.py)
+            weights[i["name"]] = random_quant_input(i["name"], i["shape"], i["dtype"], rng)
+            continue
         w = np.ones(n, ml_dtypes.bfloat16) if "norm" in i["name"] else np.resize(block, n)
         weights[i["name"]] = w.reshape(i["shape"])
     eng, spec, optim = _engine(case, cache, weights=weights, tune=tune)
@@ -167,6 +195,21 @@ def case_engine(cache: str, case: str, tune: int = 0):
     B, S = CASES[case][2], CASES[case][3]
     batches = [np.random.default_rng(2 + i).integers(0, spec.vocab, (B, S)).astype(np.int64) for i in range(4)]
     return eng, spec, optim, m, batches, base
+
+
+def random_quant_input(name: str, shape, dtype: str, rng) -> np.ndarray:
+    """Random blocks and plausible scales for a quantized weight's input: dequantized, the weight's
+    entries are of the order of 0.02, as the dense cases' random weights."""
+    suffix = name.rsplit(".", 1)[1]
+    if dtype in ("uint8", "int8"):  # codes and blocks: random bytes
+        return rng.integers(0, 256, int(np.prod(shape)), dtype=np.uint8).view(dtype).reshape(shape)
+    if suffix == "nf4_code":
+        from lorac.graphs.quant import NF4_CODE
+        return np.asarray(NF4_CODE, np.float32).reshape(shape)
+    fill = {"absmax": 0.02, "absmax_code": None, "absmax_scale": 0.02, "absmax_offset": 0.01, "int8_scale": 0.02 / 127}
+    if suffix == "absmax_code":
+        return np.linspace(-1, 1, int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    return np.full(shape, fill.get(suffix, 0.02), np.float32)
 
 
 def full_step(eng, optim, ids, t: int) -> float:
@@ -245,11 +288,15 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
         peers = []
         if os.environ.get("NO_PEERS"):
             modes = []
+        fast = [m[len("fast:"):] for m in modes if m.startswith("fast:")]
+        modes = [m for m in modes if not m.startswith("fast:")]
         if peer_model == "mamba":  # one process per mode: the torch path hides mamba_ssm from transformers
             commands = [(mode, ["peer_mamba.py", f"{B}x{S}", "2", mode, "--hidden", str(cfg["hidden_size"]),
                                 "--layers", str(cfg["num_hidden_layers"])]) for mode in modes]
         else:
             commands = [(",".join(modes), ["peer_lora_gpu.py", peer_model, f"{B}x{S}", *modes])] if modes else []
+        fast_script = os.environ.get("PEER_FAST", str(HERE / "peer_fast_gpu.py"))
+        commands += [(mode, [fast_script, f"{peer_model}:{B}x{S}:{mode}"]) for mode in fast]
         for label, cmd in commands:
             try:
                 p = subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]], capture_output=True, text=True,

@@ -191,7 +191,7 @@ def bind_all_inputs(mod):
 
 def build_passes(passes: list, plan: dict | None = None, arena: bool = False) -> list:
     """A target's Relax `passes` as lorac builds with them: CachedLegalize before
-    LegalizeOps (legalize_cache.py), with `arena` the arena plan after StaticPlanBlockMemory
+    LegalizeOps (compiler/passes/legalize_cache.py), with `arena` the arena plan after StaticPlanBlockMemory
     (memory_plan.py), and, given a `plan` dict, a read-only pass after
     StaticPlanBlockMemory that writes into it the bytes of device storage the static memory
     plan allocates (all planned tensors, shared by lifetime) and the number of tensors left

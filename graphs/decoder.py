@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .attention import Mask, attention_backward, attention_forward
 from .builder import GraphBuilder
-from .linear import Proj, add_lora, linear_forward, linear_group_forward, projection_backward
+from .linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward
 from .rope import rope_at, rope_backward, rope_forward, rope_tables
@@ -115,7 +115,7 @@ def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
                    norm("self_attn.k_norm", spec.head_dim) if spec.qk_norm else None, {})
         for t in ALL_TARGETS:
             out, inp = spec.proj_shape(t)
-            p = Proj(g.input(weight_name(i, t), [out, inp]))
+            p = Proj(frozen_weight(g, train, weight_name(i, t), out, inp))
             if (spec.qkv_bias and t in ("q_proj", "k_proj", "v_proj")) or (spec.o_bias and t == "o_proj"):
                 p.bias = g.input(weight_name(i, t, "bias"), [out])
             if i in trained and t in train.lora_targets:

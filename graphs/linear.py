@@ -2,6 +2,9 @@
 
 Shapes: x [N, in], W [out, in] (HF layout), bias [out], A [r, in], B [out, r], s the scale.
 y = x W^T + bias + s (x A^T) B^T. W and bias are frozen; only A and B get gradients.
+W may arrive quantized (TrainSpec.quant): then it is a graphs.quant.QuantWeight, and every
+read of it (the forward's GEMM, the backward's dx = dy W, a checkpointed layer's recompute)
+emits its own dequantization, so no dense copy of W outlives the GEMM that reads it.
 """
 from __future__ import annotations
 
@@ -18,6 +21,21 @@ class Proj:
     scale: float = 0.0
 
 
+def frozen_weight(g, train, name: str, out: int, inp: int):
+    """The graph input(s) of frozen weight `name` [out, in]: dense, or the blocks of its
+    quantized form where TrainSpec.quant names it."""
+    q = train.quant_of(name)
+    if q is None:
+        return g.input(name, [out, inp])
+    from .quant import declare
+    return declare(g, q, name, out, inp)
+
+
+def weight(g, p: Proj):
+    """W as a dense value for one GEMM: the input itself, or a fresh dequantization."""
+    return p.w.dense(g) if hasattr(p.w, "dense") else p.w
+
+
 def add_lora(g, p: Proj, names, train, out: int, inp: int) -> None:
     """Adapt projection `p`: LoRA inputs A [r, in] and B [out, r], named names("A") / names("B")."""
     p.a = g.input(names("A"), [train.rank, inp])
@@ -26,7 +44,7 @@ def add_lora(g, p: Proj, names, train, out: int, inp: int) -> None:
 
 
 def linear_forward(g, x, p: Proj):
-    y = g.mm_t(x, p.w)
+    y = g.mm_t(x, weight(g, p))
     if p.bias is not None:
         y = g.op("Add", y, p.bias)
     if p.a is None:
@@ -47,7 +65,7 @@ def linear_backward(g, dy, x, u, p: Proj, need_dx: bool = True):
         du = g.op("Mul", g.matmul(dy, p.b), g.f(p.scale))
     if need_dx:
         # dx = dy W + du A
-        dx = g.matmul(dy, p.w)
+        dx = g.matmul(dy, weight(g, p))
         if p.a is not None:
             dx = g.op("Add", dx, g.matmul(du, p.a))
     if callable(x):
@@ -79,7 +97,7 @@ def linear_group_forward(g, x, projs: list):
     u_all = g.op("Mul", g.mm_t(x, g.op("Concat", *[p.a for p in lora], axis=0)), g.f(lora[0].scale))
     ys, us, i = [], [], 0
     for p in projs:
-        y = g.mm_t(x, p.w)
+        y = g.mm_t(x, weight(g, p))
         if p.bias is not None:
             y = g.op("Add", y, p.bias)
         u = None

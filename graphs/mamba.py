@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .builder import GraphBuilder
 from .conv import conv_backward, conv_forward
 from .decoder import embed  # noqa: F401 - the same token embedding (compose.py calls it)
-from .linear import Proj, add_lora, linear_forward, projection_backward
+from .linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
 from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
 from .mlp import swiglu_backward, swiglu_forward
 from .norm import rmsnorm_backward, rmsnorm_forward
@@ -103,7 +103,7 @@ def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
                        w("conv1d.bias", [I]) if spec.conv_bias else None, w("A_log", [I, M]), w("D", [I]), {})
         for t in MAMBA_TARGETS:
             out, inp = spec.proj_shape(t)
-            p = Proj(w(f"{t}.weight", [out, inp]))
+            p = Proj(frozen_weight(g, train, weight_name(i, f"{t}.weight"), out, inp))
             if t == "dt_proj" or (spec.use_bias and t in ("in_proj", "out_proj")):
                 p.bias = w(f"{t}.bias", [out])
             if i in trained and t in train.lora_targets:

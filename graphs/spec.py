@@ -109,6 +109,9 @@ class TrainSpec:
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
     packing: str = "plain"
+    # frozen linear weights that arrive quantized: (HF weight name, graphs.quant.Quant) pairs,
+    # sorted; the graph reads their blocks and dequantizes before each GEMM (graphs/quant.py)
+    quant: tuple = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -128,6 +131,10 @@ class TrainSpec:
             return False
         trained = self.layers(spec)
         return layer in trained[:max(len(trained) - self.keep_layers, 0)]
+
+    def quant_of(self, name: str):
+        """The Quant of frozen weight `name`, or None where it is dense."""
+        return dict(self.quant).get(name)
 
     def validate(self, spec: ModelSpec) -> None:
         for name in ("batch", "seq", "rank"):

@@ -65,7 +65,7 @@ class TrainConfig:
     dtype: str | None = setting(None, "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend "
                                 "ort: float32)")
     backend: str = setting("tvm", "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install "
-                           "'lorac[ort]')")  # "ort": engine_ort.py
+                           "'lorac[ort]')")  # "ort": runtime/engine/ort.py
     ort_providers: str | None = setting(
         None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
         "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")

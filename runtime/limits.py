@@ -44,11 +44,12 @@ def lora_params(spec, train) -> int:
     return sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * len(train.layers(spec))
 
 
-def step_bytes_lower_bound(spec, train, n_weights: int, device, itemsize: int = 4) -> int:
+def step_bytes_lower_bound(spec, train, n_weights: int, device, itemsize: int = 4, packed_bytes: int = 0) -> int:
     """A lower bound on the bytes one training step needs on `device` (module doc). The frozen
     weights count in the device's default dtype (bf16 on CUDA); where attention is a fused
     kernel (cuDNN) it holds no [S, S] probabilities, except for packed documents (--packing
-    isolated), whose attention is inlined (bf16 scores)."""
+    isolated), whose attention is inlined (bf16 scores). `n_weights` dense frozen elements;
+    `packed_bytes` of quantized blocks (train/memory.frozen_sizes)."""
     from lorac.core.dtypes import as_dtype
     b, s, layers = train.batch, train.seq, len(train.layers(spec))
     lora = lora_params(spec, train)
@@ -57,14 +58,14 @@ def step_bytes_lower_bound(spec, train, n_weights: int, device, itemsize: int = 
         attention = attention // 2 if getattr(train, "packing", "plain") == "isolated" else 0
     weights = n_weights * as_dtype(device.DEFAULT_DTYPE).itemsize // 4
     chunk = min(train.loss_chunk or b * s, b * s)
-    return itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
+    return packed_bytes + itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
 
 
-def check_memory(spec, train, n_weights: int, device) -> None:
+def check_memory(spec, train, n_weights: int, device, packed_bytes: int = 0) -> None:
     """Refuse a step whose lower-bound memory exceeds what `device` says is available (this
     machine's for the CPU, the GPU's when one is visible)."""
     have = device.memory_free()
-    need = step_bytes_lower_bound(spec, train, n_weights, device)
+    need = step_bytes_lower_bound(spec, train, n_weights, device, packed_bytes=packed_bytes)
     if have is not None and need > have:
         raise LoracError(f"a training step of batch {train.batch} x seq {train.seq} at rank {train.rank} needs at least "
                          f"{need / 2**30:.1f} GiB, {device.MEMORY_OF} has {have / 2**30:.1f} GiB available; lower "

@@ -48,7 +48,7 @@ def test_cuda_bf16_manifest_types(graph, tmp_path):
     assert types["model.norm.weight"] == "bfloat16"
     assert all(t == "float32" for n, t in types.items() if "lora_" in n)
     # bf16: attention runs on cuDNN (its shapes and scale are in the manifest for the runtime)
-    assert m["units"] == ["CausalAttention", "CausalAttentionGrad", "SwiGLUGrad"]  # SwiGLU: swiglu_units.py
+    assert m["units"] == ["CausalAttention", "CausalAttentionGrad", "SwiGLUGrad"]  # SwiGLU: compiler/units/swiglu.py
     assert m["gemm"]["dispatched"] == count_matmuls(graph, units_inlined=False)
     B, S = m["inputs"][0]["shape"]
     assert sorted(c["function"] for c in m["unit_calls"]) == ["lorac.attention_bwd", "lorac.attention_fwd"]

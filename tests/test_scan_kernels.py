@@ -207,7 +207,7 @@ def test_cuda_build_maps_the_scan(tmp_path):
     for dtype in ("float32", "bfloat16"):
         art = compile_graph(model, target={"kind": "cuda", "cuda_graph": True}, out_dir=tmp_path / dtype, dtype=dtype)
         m = json.loads((art / "manifest.json").read_text())
-        swiglu = ["SwiGLUGrad"] if dtype == "bfloat16" else []  # the gate's backward: swiglu_units.py
+        swiglu = ["SwiGLUGrad"] if dtype == "bfloat16" else []  # the gate's backward: compiler/units/swiglu.py
         assert m["units"] == ["SelectiveScan", "SelectiveScanGrad", *swiglu] and m["unit_calls"] == []
         assert (art / m["extra"]["cuda_fatbin"]).stat().st_size > 0
 

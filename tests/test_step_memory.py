@@ -108,7 +108,7 @@ def _resolve(monkeypatch, free=None, saved=None, **cfg):
     spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
     logs = []
     cfg = TrainConfig(**cfg)
-    cfg, train = choose_checkpointing(cfg, spec, train, 8_030_000_000, devices.for_target(cfg.target), saved=saved,
+    cfg, train = choose_checkpointing(cfg, spec, train, (8_030_000_000, 0), devices.for_target(cfg.target), saved=saved,
                                       dp=SimpleNamespace(size=1), log=logs.append)
     return SimpleNamespace(cfg=cfg, train_spec=train), logs
 

@@ -24,6 +24,8 @@ class _Data:
 
 
 class _FailingRun:
+    tokenizer = eval_path = None
+
     def __init__(self, cfg, log):
         self.cfg, self.log, self.dp, self.data, self.engine = cfg, lambda m: None, Single(), _Data(), _Engine()
 

@@ -1,5 +1,5 @@
 """Running a Relax expression mutator over a whole module (gemm.py, gemm_sum.py,
-fast_math.py and legalize_cache.py each rewrite calls with one), and walking its dataflow
+compiler/passes/fast_math.py and compiler/passes/legalize_cache.py each rewrite calls with one), and walking its dataflow
 blocks (the analyses those rewrites start from)."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 with one change: a DLight rule that raises on a kernel it claims (0.27's GPU Reduction rule
 asserts on the Mamba scan's fused contraction in fp32) counts as declining it, so the next
 rule (GeneralReduction, then Fallback) schedules that kernel instead of the build failing.
-Reductions that every DLight rule declines get `RowReduction` (gpu_schedule.py) before
+Reductions that every DLight rule declines get `RowReduction` (compiler/targets/_gpu_schedule.py) before
 Fallback; a target may put its own rules first (CUDA: vectorized elementwise kernels and a
 warp per short row).
 
@@ -31,7 +31,7 @@ def _guarded(rule):
 
 def default_schedules(first_rules: tuple = ()):
     """The pass that gives every kernel not yet scheduled its DLight schedule: `first_rules`,
-    a target's own rules (gpu_schedule.py), then DLight's, then RowReduction, then Fallback."""
+    a target's own rules (compiler/targets/_gpu_schedule.py), then DLight's, then RowReduction, then Fallback."""
     from tvm.s_tir import dlight as dl
 
     from ._gpu_schedule import RowReduction
@@ -42,7 +42,7 @@ def default_schedules(first_rules: tuple = ()):
 
 
 def legalize_passes(target, first_rules: tuple = (), tuned=None) -> list:
-    """`first_rules`: a target's own schedule rules, tried before DLight's (gpu_schedule.py);
+    """`first_rules`: a target's own schedule rules, tried before DLight's (compiler/targets/_gpu_schedule.py);
     `tuned`: a pass that schedules the kernels --tune found faster schedules for, first."""
     from tvm import relax
 

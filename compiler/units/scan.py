@@ -1,4 +1,4 @@
-"""The Mamba scan units, mapped whole to lorac's own TIR kernels (scan_kernels.py) on the CPU
+"""The Mamba scan units, mapped whole to lorac's own TIR kernels (compiler/units/scan_kernels.py) on the CPU
 and on CUDA (the other targets inline the units' bodies: compiler/units/__init__.py).
 
     SelectiveScan(u, dt, A, Bm, Cm, D; chunk)              -> y, hs

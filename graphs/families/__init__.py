@@ -1,7 +1,7 @@
 """The model families lorac trains: one module per family in this package, found by name.
 
 Everything that differs between families is asked of the family module; the rest of
-lorac (graphs/compose.py, runtime/model/weights.py, gguf_model.py, export.py, train.py) never
+lorac (graphs/compose.py, runtime/model/weights.py, runtime/model/gguf.py, export.py, train.py) never
 branches on a family name. Adding a family = one module here + its tests + a docs row.
 
 A family module defines (llama.py is the model to copy):

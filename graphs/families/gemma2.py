@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, projection_inputs  # noqa: F401 - the decoders' context (RoPE tables, dims) and doc line
-from ..linear import Proj, add_lora, linear_forward, linear_group_forward, projection_backward
+from ..linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
 from ..mlp import geglu_backward, geglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
 from ..rope import rope_backward, rope_forward
@@ -135,7 +135,7 @@ def declare_weights(g, spec: Gemma2Spec, train):
         L = Layer(i, norms, {}, mask)
         for t in TARGETS:
             out, inp = spec.proj_shape(t)
-            L.proj[t] = p = Proj(g.input(weight_name(i, t), [out, inp]))
+            L.proj[t] = p = Proj(frozen_weight(g, train, weight_name(i, t), out, inp))
             if i in trained and t in train.lora_targets:
                 add_lora(g, p, lambda which: lora_name(i, t, which), train, out, inp)
         layers.append(L)

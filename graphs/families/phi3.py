@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, embed, gated_mlp_backward, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
 from ..decoder import activation_bytes as _decoder_bytes
-from ..linear import Proj, add_lora, linear_forward, projection_backward
+from ..linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
 from ..mlp import swiglu_forward
 from ..norm import rmsnorm_backward, rmsnorm_forward
 from ..rope import rope_backward, rope_forward
@@ -121,7 +121,7 @@ def declare_weights(g, spec: Phi3Spec, train):
         L = Layer(i, norm("input_layernorm"), norm("post_attention_layernorm"), {})
         for t in TARGETS:
             out, inp = spec.proj_shape(t)
-            L.proj[t] = p = Proj(g.input(weight_name(i, t), [out, inp]))
+            L.proj[t] = p = Proj(frozen_weight(g, train, weight_name(i, t), out, inp))
             if i in trained and t in train.lora_targets:
                 add_lora(g, p, lambda which: lora_name(i, t, which), train, out, inp)
         layers.append(L)

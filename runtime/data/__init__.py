@@ -6,7 +6,7 @@ Formats (picked per file by its suffix, per record by its keys):
     JSONL {"prompt": ..., "completion": ...}   only completion tokens count
     JSONL {"messages": [{"role", "content"}]}  rendered with the chat template; only the
                                                assistant turns count
-    alpaca and sharegpt records (data_formats.py), HF datasets and JSON arrays (data_sources.py)
+    alpaca and sharegpt records (runtime/data/formats.py), HF datasets and JSON arrays (runtime/data/sources.py)
 Labels follow HF: the same ids as input_ids (the graph shifts them), -100 where a token
 does not count. Every document ends with EOS (a chat rendering that already closes with
 it gets none added), so packed rows carry EOS separators; the model learns to stop.

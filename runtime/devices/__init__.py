@@ -46,7 +46,7 @@ optional (a module without one gets the default in OPTIONAL below):
                    copies) or "nccl" (on the device, runtime/dist/nccl.py)
     ORT_PROVIDERS, ORT_MEMORY
                    `--backend ort`: the execution providers used by default and the
-                   onnxruntime device the IO-bound buffers live on (engine/ort.py)
+                   onnxruntime device the IO-bound buffers live on (runtime/engine/ort.py)
 Importing a device module imports neither TVM nor any device library.
 """
 from __future__ import annotations

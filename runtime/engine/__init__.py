@@ -10,7 +10,7 @@ def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", d
                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, providers=None,
                 ranks: int = 1, tune: int = 0):
     """The engine of `backend`: "tvm" (compiled artifacts) or "ort" (onnxruntime, `providers`);
-    `ranks` data-parallel workers (distributed.py) and `tune` MetaSchedule trials on the TVM backend."""
+    `ranks` data-parallel workers (runtime/dist/__init__.py) and `tune` MetaSchedule trials on the TVM backend."""
     if backend == "ort":
         if ranks > 1:
             raise LoracError("data-parallel training (--gpus, mpiexec) runs on --backend tvm")

@@ -10,7 +10,7 @@ and every sum of GEMMs the compiler fused (compiler/passes/gemm_sum.py) into a c
 `lorac.gemm_acc_<layouts>(a1, b1, a2, b2, ..., out)`: the first GEMM writes `out`, the
 others add into it. One registered function per layout dispatches on the output's
 device to that runtime device's GEMM library (runtime/devices/: numpy's BLAS on the
-CPU, gemm_cpu.py; cuBLAS on CUDA, gemm_cuda.py).
+CPU, runtime/devices/cpu/blas.py; cuBLAS on CUDA, runtime/devices/cuda/cublas.py).
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ class Graphs:
         same_math = replace(train, extra={k: v for k, v in train.extra.items() if k != "scan_chunk"},
                             batch=train.batch * ranks)
         self.graph_hash = graph_key("train", spec, same_math)
-        self.grad_reducer = None  # data parallel: sums the flat gradients over the workers (distributed.py)
+        self.grad_reducer = None  # data parallel: sums the flat gradients over the workers (runtime/dist/__init__.py)
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
@@ -96,7 +96,8 @@ class Graphs:
             c = AdamWConstants.of(self.optim_cfg)
             return (lambda: build_optimizer_graph(self.shapes, c)), (self.shapes, c), "float32"
         # generation: one document a row, so the plain causal graph (no position_ids) is exact;
-        # the same adapter at another shape, no backward (no recompute, one loss chunk)
+        # the same adapter (and quantized weights) at another shape, no backward (no recompute, one
+        # loss chunk)
         b, s = (int(x) for x in kind.split(":")[1].split(","))
         fwd = replace(self.train, batch=b, seq=s, checkpointing=False, keep_layers=0, loss_chunk=0, packing="plain")
         return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype

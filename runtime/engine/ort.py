@@ -1,4 +1,4 @@
-"""The onnxruntime backend: the TVM engine's methods (engine.py) over the same training, eval,
+"""The onnxruntime backend: the TVM engine's methods (runtime/engine/tvm.py) over the same training, eval,
 forward and LoRA+ AdamW graphs (lorac.graphs), run by onnxruntime on any of its execution
 providers (CPU, CUDA, TensorRT, ROCm/MIGraphX, DirectML, CoreML, OpenVINO, WebGPU, ...).
 `lorac train --backend ort` is therefore the same loop with the same checkpoints.

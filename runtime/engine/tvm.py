@@ -15,7 +15,7 @@ baked constants, lorac's version and the source of core, graphs and compiler). F
 weights are uploaded once and passed to every call as device tensors. The TVM engine's
 graphs take the LoRA tensors as the optimizer's flat buckets and write their gradients the
 same way (graphs/flat_lora.py): a step copies no tensor one by one. The onnxruntime backend
-(engine_ort.py) runs the per-tensor graphs behind the same methods (Graphs holds what
+(runtime/engine/ort.py) runs the per-tensor graphs behind the same methods (Graphs holds what
 both share).
 """
 from __future__ import annotations
@@ -200,11 +200,14 @@ def memory_summary(manifest: dict, lora_shapes: dict, device: str) -> str:
     plan (activations and workspace), the frozen weights as the artifact takes them, and
     the LoRA tensors with their gradients and AdamW moments (fp32)."""
     plan = manifest["memory"]["static_plan_bytes"]
-    frozen = sum(int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize for i in manifest["inputs"]
-                 if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
+    size = lambda i: int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize
+    frozen = sum(size(i) for i in manifest["inputs"] if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
+    # a quantized weight's inputs are its name plus a suffix (graphs/quant.py): blocks and scales
+    packed = sum(size(i) for i in manifest["inputs"] if ".weight." in i["name"] and "lora_" not in i["name"])
     state = 4 * 4 * sum(int(np.prod(s)) for s in lora_shapes.values())
     gb = lambda n: f"{n / 1e9:.1f} GB"
+    quantized = f" + quantized weights {gb(packed)}" if packed else ""
     return (f"{device} memory for training: step activations and workspace {gb(plan)} (static plan), frozen "
-            f"weights {gb(frozen)}, LoRA tensors + gradients + AdamW moments {gb(state)}; total "
-            f"{gb(plan + frozen + state)} before library workspaces (--checkpointing and --keep-layers trade "
+            f"weights {gb(frozen)}{quantized}, LoRA tensors + gradients + AdamW moments {gb(state)}; total "
+            f"{gb(plan + frozen + packed + state)} before library workspaces (--checkpointing and --keep-layers trade "
             "activation memory for time)")

@@ -218,7 +218,7 @@ def export_merged_weights(out_dir, weights: dict[str, np.ndarray], config: dict,
 
     Writes config.json and one model.safetensors, in `dtype` ("bfloat16", "float16",
     "float32"; None: as the tensors are); copies the tokenizer files found in `tokenizer_dir`,
-    or writes them from a lorac `tokenizer` (export_tokenizer.py). A tied lm_head is left
+    or writes them from a lorac `tokenizer` (runtime/export/tokenizer.py). A tied lm_head is left
     out, as transformers' save_pretrained does.
     """
     merged = merge_lora(weights, lora, alpha=alpha, use_rslora=use_rslora)

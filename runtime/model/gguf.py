@@ -3,7 +3,7 @@
 
 GGUF keeps what HF splits over config.json, model.safetensors and tokenizer.json in one
 file: metadata keys (`llama.embedding_length`, `tokenizer.ggml.tokens`, ...) and tensors
-named `blk.N.attn_q.weight` etc. Dequantization lives in gguf_quant.py.
+named `blk.N.attn_q.weight` etc. Dequantization lives in runtime/model/gguf_quant.py.
 
 What differs between architectures is its model family's (graphs/families/): the
 metadata -> config.json map, the tensor names, and what llama.cpp's converter changed in

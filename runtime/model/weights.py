@@ -15,6 +15,7 @@ float32 stays a read-only view, so a large model costs page cache, not heap.
 import json
 import os
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -118,12 +119,16 @@ def load_hf_dir(model_dir, dtype=np.float32) -> tuple[dict, dict]:
     return config, weights
 
 
-def _load_sharded(model_dir, index, dtype):
+def _weight_map(index) -> dict:
     try:
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+            return json.load(f)["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise LoracError(f"{index}: not a safetensors index (no weight_map)") from None
+
+
+def _load_sharded(model_dir, index, dtype):
+    weight_map = _weight_map(index)
     shards = {}
     for name, shard in weight_map.items():
         shards.setdefault(shard, []).append(name)
@@ -177,34 +182,56 @@ def model_config(path) -> dict:
     return read_config(path)
 
 
-def parameter_count(path) -> int:
-    """How many numbers a model's weights hold (what load_model would return, counted), from
-    the safetensors headers or the GGUF tensor infos: no tensor is read."""
-    path = os.fspath(path)
+class TensorInfo(NamedTuple):
+    """A tensor as load_model would return it, without its data: dtype, size, nbytes."""
+    dtype: np.dtype
+    size: int
+    nbytes: int
+
+
+def tensor_infos(path, dtype=np.float32) -> dict:
+    """{name: TensorInfo} of what load_model(path, dtype) returns (float tensors converted to
+    dtype, integer ones as stored), from the safetensors headers or the GGUF tensor infos:
+    no tensor is read (`--compile-only` sizes its step from these)."""
+    path, dtype = os.fspath(path), as_dtype(dtype)
+    info = lambda dt, n: TensorInfo(dt, n, n * dt.itemsize)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        from .gguf import open_gguf
-        return sum(int(t.n_elements) for t in open_gguf(path).tensors)
+        from .gguf import architecture, hf_name, metadata, open_gguf
+        reader = open_gguf(path)
+        _, family = architecture(metadata(reader), path)
+        return {hf_name(t.name, family): info(dtype, int(t.n_elements)) for t in reader.tensors}
     if os.path.isfile(path):
         raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
     if not os.path.isdir(path):
         raise LoracError(f"model directory not found: {path}")
     single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(single):
-        return sum(int(np.prod(e["shape"])) for e in read_safetensors_header(single)[0].values())
-    if not os.path.exists(index):
+        files = {single: None}
+    elif os.path.exists(index):
+        files = {}
+        for name, shard in _weight_map(index).items():
+            if not os.path.exists(os.path.join(path, shard)):
+                raise LoracError(f"{index}: shard {shard} is missing")
+            files.setdefault(os.path.join(path, shard), []).append(name)
+    else:
         raise LoracError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-        raise LoracError(f"{index}: not a safetensors index (no weight_map)") from None
-    count = 0
-    for shard in sorted(set(weight_map.values())):
-        if not os.path.exists(os.path.join(path, shard)):
-            raise LoracError(f"{index}: shard {shard} is missing")
-        header = read_safetensors_header(os.path.join(path, shard))[0]
-        count += sum(int(np.prod(header[n]["shape"])) for n, s in weight_map.items() if s == shard and n in header)
-    return count
+    out = {}
+    for file, names in files.items():
+        header = read_safetensors_header(file)[0]
+        for name in header if names is None else names:
+            if name not in header:
+                raise LoracError(f"{file}: tensor {name} is missing")
+            e = header[name]
+            stored = e["dtype"]
+            dt = dtype if stored in ("F64", "F32", "F16", "BF16") else np.dtype(SAFETENSORS_DTYPES[stored])
+            out[name] = info(dt, int(np.prod(e["shape"], dtype=np.int64)))
+    return out
+
+
+def frozen_sizes_of(path) -> tuple[int, int]:
+    """train/memory.frozen_sizes of the weights load_model(path) would return, from headers alone."""
+    from ..train.memory import frozen_sizes
+    return frozen_sizes(tensor_infos(path))
 
 
 def load_model(path, dtype=np.float32) -> tuple[dict, dict]:

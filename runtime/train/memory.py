@@ -36,6 +36,8 @@ model leaves out: there the estimate is None and `auto` does not checkpoint.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 GiB = 1 << 30
@@ -88,12 +90,39 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
     return int(peak)
 
 
-def estimate(spec, train, n_weights: int, dtype: str = "bfloat16") -> int | None:
-    """Bytes the step holds on a CUDA device: static plan + frozen weights + LoRA state
-    (parameters, gradients, AdamW moments in fp32), or None where the plan is not modelled."""
+def frozen_sizes(weights: dict) -> tuple[int, int]:
+    """(elements of the dense frozen weights and biases, which the device holds in the compute
+    dtype; bytes of everything else: quantized blocks and their scales (graphs/quant.py), which
+    keep their own dtype on every device)."""
+    dense = packed = 0
+    for name, w in weights.items():
+        if name.endswith((".weight", ".bias")) and w.dtype.kind == "f":
+            dense += int(w.size)
+        else:
+            packed += int(w.nbytes)
+    return dense, packed
+
+
+def dequant_workspace(spec, train, dtype: str) -> int:
+    """Bytes of the dense copies quantized weights are dequantized into: each lives from its
+    dequantization to the GEMM that reads it; two of the largest at once (the next layer's
+    may be formed while the last is read)."""
+    if not train.quant:
+        return 0
+    widest = max(math.prod(spec.proj_shape(name.split(".")[-2])) for name, _ in train.quant)
+    return 2 * widest * (2 if dtype == "bfloat16" else 4)
+
+
+def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes: int = 0) -> int | None:
+    """Bytes the step holds on a CUDA device: static plan + frozen weights (`n_weights` dense
+    elements, `packed_bytes` of quantized blocks: frozen_sizes) + LoRA state (parameters,
+    gradients, AdamW moments in fp32), or None where the plan is not modelled."""
     from ..limits import lora_params
     plan = plan_bytes(spec, train, dtype)
-    return None if plan is None else plan + n_weights * (2 if dtype == "bfloat16" else 4) + 16 * lora_params(spec, train)
+    if plan is None:
+        return None
+    weights = n_weights * (2 if dtype == "bfloat16" else 4) + packed_bytes
+    return plan + dequant_workspace(spec, train, dtype) + weights + 16 * lora_params(spec, train)
 
 
 def settings(n_trained: int):
@@ -116,7 +145,7 @@ def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, s
     return free - reserve, f"{free / 1e9:.1f} GB free on the GPU less {reserve / 1e9:.1f} GB reserve"
 
 
-def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str) -> Choice:
+def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str, packed_bytes: int = 0) -> Choice:
     """The fastest setting of settings() whose estimate fits `budget` (full checkpointing when
     none does); no checkpointing without a budget or an estimate."""
     gb = lambda n: f"{n / 1e9:.1f} GB"
@@ -125,7 +154,7 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
     n_trained = len(train.layers(spec))
     first = None
     for ckpt, keep in settings(n_trained):
-        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep), n_weights, dtype)
+        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep), n_weights, dtype, packed_bytes)
         if need is None:
             return Choice(False, 0, None, "no memory estimate for this model and attention (docs/RUNTIME.md); "
                                           "set --checkpointing / --keep-layers yourself")

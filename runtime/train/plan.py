@@ -1,7 +1,7 @@
 """The plan of a run: what it computes and where, decided before any weight or data is read.
 
-From the settings (TrainConfig), the model's spec and config, the number of frozen weights
-(counted from file headers where nothing else needs them), the device (resolved once from
+From the settings (TrainConfig), the model's spec and config, the sizes of the frozen weights
+(memory.frozen_sizes; from the files' headers where nothing else needs them), the device (resolved once from
 --target: runtime/devices/) and, when resuming, the checkpoint's run (SavedRun), `plan_run`
 decides the packing, the model family's own options, the loss chunk, the activation
 checkpointing and each worker's step (TrainSpec), and refuses sizes that cannot fit. It
@@ -51,9 +51,10 @@ def workers_of(cfg: TrainConfig, dp) -> int:
     return dp.size if dp.size > 1 else max(cfg.gpus, 1)
 
 
-def plan_run(cfg: TrainConfig, spec, model_config: dict, n_weights: int, *, adapter=None, saved=None, dp=None,
-             log=None) -> Plan:
-    """The Plan of `lorac train` (module doc). `adapter`: the --adapter read (its settings
+def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int], *, adapter=None, saved=None,
+             dp=None, log=None) -> Plan:
+    """The Plan of `lorac train` (module doc). `frozen`: (dense frozen elements, bytes of
+    quantized blocks), train/memory.frozen_sizes. `adapter`: the --adapter read (its settings
     replace the flags it decides); `saved`: the --resume checkpoint's SavedRun; `dp`: the
     data-parallel workers (dist.current()); `log` hears each choice and why."""
     from lorac.graphs.families import for_spec
@@ -85,16 +86,17 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, n_weights: int, *, adap
                 f"{device.LOSS_CHUNK_BYTES / 2**30:g} GiB)")
     train = cfg.train_spec(spec, workers=workers, loss_chunk=loss_chunk, extra=extra)
     if cfg.checkpointing == "auto":
-        cfg, train = choose_checkpointing(cfg, spec, train, n_weights, device, saved=saved, dp=dp, log=log)
+        cfg, train = choose_checkpointing(cfg, spec, train, frozen, device, saved=saved, dp=dp, log=log)
     train.validate(spec)
     # before any compile: an impossible size would only fill memory
     limits.check_context(cfg.seq, model_config, "--seq")
     limits.check_rank(spec, train)
-    limits.check_memory(spec, train, n_weights, device)
+    limits.check_memory(spec, train, frozen[0], device, frozen[1])
     return Plan(cfg, spec, train, device, workers)
 
 
-def choose_checkpointing(cfg: TrainConfig, spec, train, n_weights: int, device, *, saved=None, dp=None, log=None):
+def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int], device, *, saved=None, dp=None,
+                         log=None):
     """Resolve --checkpointing auto (runtime/train/memory.py) into on/off and --keep-layers,
     in the settings too (checkpoints record what ran; a resumed run compiles the same graph).
     Returns (cfg, train)."""
@@ -114,7 +116,8 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, n_weights: int, device, 
         if gather is not None and budget is not None:  # every worker compiles the same step
             budget = int(gather([budget], "the memory budgets").min())
             source += f", the least of {dp.size} workers"
-        choice = step_memory.choose(spec, train, n_weights, cfg.dtype or device.DEFAULT_DTYPE, budget, source)
+        n_weights, packed = frozen
+        choice = step_memory.choose(spec, train, n_weights, cfg.dtype or device.DEFAULT_DTYPE, budget, source, packed)
         ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
     train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
     cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)

@@ -44,8 +44,8 @@ class Run:
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
         self.model_config, weights, self.tokenizer = self.source.load()
-        self.plan, self.adapter = _plan(cfg, self.model_config, sum(int(w.size) for w in weights.values()), dp,
-                                        self.log)
+        from .memory import frozen_sizes
+        self.plan, self.adapter = _plan(cfg, self.model_config, frozen_sizes(weights), dp, self.log)
         self.cfg = cfg = self.plan.cfg
         self.spec, self.train_spec = self.plan.spec, self.plan.train
         data_path, self.eval_path = data_files(cfg)
@@ -113,7 +113,7 @@ class Run:
         return total / max(count, 1.0)
 
 
-def _plan(cfg: TrainConfig, model_config: dict, n_weights: int, dp, log):
+def _plan(cfg: TrainConfig, model_config: dict, frozen: tuple[int, int], dp, log):
     """(the run's Plan, the --adapter read or None): reads the adapter and the --resume
     checkpoint's settings, the two files the plan takes besides the model's config."""
     from lorac.graphs import ModelSpec
@@ -127,7 +127,7 @@ def _plan(cfg: TrainConfig, model_config: dict, n_weights: int, dp, log):
     if cfg.resume and cfg.checkpointing == "auto":  # the checkpoint's graph
         from .saved import SavedRun
         saved = SavedRun.read(cfg.resume)
-    return plan_run(cfg, spec, model_config, n_weights, adapter=adapter, saved=saved, dp=dp, log=log), adapter
+    return plan_run(cfg, spec, model_config, frozen, adapter=adapter, saved=saved, dp=dp, log=log), adapter
 
 
 def data_files(cfg: TrainConfig) -> tuple[str, str | None]:
@@ -211,12 +211,12 @@ def precompile(cfg: TrainConfig, log=None) -> dict:
     from ..engine import make_engine
     from ..model.source import resolve_model
     from ..model.tokenizer import load_tokenizer
-    from ..model.weights import parameter_count
+    from ..model.weights import frozen_sizes_of
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     source = resolve_model(cfg.model)
     log(f"model: {source.describe()}")
     config = source.config()
-    plan, adapter = _plan(cfg, config, parameter_count(source.path), current(), log)
+    plan, adapter = _plan(cfg, config, frozen_sizes_of(source.path), current(), log)
     engine = make_engine(cfg.backend, plan.spec, plan.train, None, cfg.target, cfg.dtype, cfg.cache_dir,
                          cfg.optim_config(), log, cuda_graph=not cfg.no_cuda_graph, ranks=plan.workers, tune=cfg.tune)
     if adapter:

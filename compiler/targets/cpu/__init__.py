@@ -16,15 +16,15 @@ DTYPES = ("float32",)  # numpy has no bf16 GEMM: bf16 is a GPU option
 
 
 def prepare(mod):
-    """exp/sigmoid/softmax that vectorize (fast_math.py), gathers without TVM's fast-mode
-    warning (take_bounds.py); imported here, not at the top, so a cache hit never imports TVM."""
+    """exp/sigmoid/softmax that vectorize (compiler/passes/fast_math.py), gathers without TVM's fast-mode
+    warning (compiler/passes/take_bounds.py); imported here, not at the top, so a cache hit never imports TVM."""
     from ...passes.fast_math import fast_math
     from ...passes.take_bounds import clip_takes
     return clip_takes(fast_math(mod))
 
 
 def native_units(dtype: str) -> dict:
-    """Mamba's selective scan units become lorac's own TIR kernels (scan_units.py); every
+    """Mamba's selective scan units become lorac's own TIR kernels (compiler/units/scan.py); every
     other unit is inlined."""
     from ...units.scan import converters
     return converters(gpu=False)

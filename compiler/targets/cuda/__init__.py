@@ -60,10 +60,10 @@ def binds_inputs(request: dict) -> bool:
 
 def native_units(dtype: str) -> dict:
     """Mamba's selective scan units become lorac's own TIR kernels in both dtypes
-    (scan_units.py); bf16 builds map the attention units to cuDNN's fused SDPA
-    (attention_cudnn.py) and SwiGLU's backward to one kernel per call (swiglu_units.py);
+    (compiler/units/scan.py); bf16 builds map the attention units to cuDNN's fused SDPA
+    (compiler/targets/cuda/attention.py) and SwiGLU's backward to one kernel per call (compiler/units/swiglu.py);
     cuDNN has no fp32 SDPA, so fp32 builds inline them as TVM kernels. The optimizer's
-    AdamWStep updates its bucket in place in one kernel (adamw_units.py; its graph is fp32)."""
+    AdamWStep updates its bucket in place in one kernel (compiler/units/adamw.py; its graph is fp32)."""
     from ...units.adamw import converters as adamw
     from ...units.scan import converters as scan
     if dtype != "bfloat16":
@@ -94,9 +94,9 @@ def tune(mod, target, trials: int, cache_dir):
 
 def relax_passes(target) -> list:
     """The stock CUDA phases: legalize + fuse + tuned schedules (--tune) + DLight (lorac's
-    vectorized elementwise and warp-per-row rules first (gpu_schedule.py), then
+    vectorized elementwise and warp-per-row rules first (compiler/targets/_gpu_schedule.py), then
     Matmul/GEMV/Reduction/Fallback; a rule that raises falls through to the next:
-    gpu_generic.py), lower."""
+    compiler/targets/_gpu_generic.py), lower."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
     from .tuning import TUNER

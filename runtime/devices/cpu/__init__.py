@@ -1,5 +1,5 @@
 """The CPU: artifacts of target cpu (this host's CPU family) and aarch64 (64-bit Arm Linux,
-run on an arm64 machine; cross-compiled anywhere). GEMMs on numpy's BLAS (gemm_cpu.py)."""
+run on an arm64 machine; cross-compiled anywhere). GEMMs on numpy's BLAS (runtime/devices/cpu/blas.py)."""
 from __future__ import annotations
 
 import builtins

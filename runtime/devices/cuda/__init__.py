@@ -1,6 +1,6 @@
 """NVIDIA GPUs: artifacts of target cuda. Kernels compiled ahead into the artifact's fatbin
-(cuda_loader.py: no NVRTC or nvcc on the GPU machine), GEMMs on cuBLAS (gemm_cuda.py),
-bf16 attention on cuDNN's fused SDPA (attention_cuda.py), the training step as CUDA
+(runtime/devices/cuda/loader.py: no NVRTC or nvcc on the GPU machine), GEMMs on cuBLAS (runtime/devices/cuda/cublas.py),
+bf16 attention on cuDNN's fused SDPA (runtime/devices/cuda/attention.py), the training step as CUDA
 graphs (compiler/target_cuda.binds_inputs)."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ nvidia-cudnn-cu13's libcudnn). Plans are built when the artifact loads, from the
 the manifest lists (`unit_calls`), and each is executed once on scratch buffers then: the
 first step of a CUDA-graph artifact is captured, and building plans, loading kernels or
 allocating inside a capture is not allowed. Calls run on the stream TVM names (the
-capture stream while a graph records), like the cuBLAS GEMMs (gemm_cuda.py).
+capture stream while a graph records), like the cuBLAS GEMMs (runtime/devices/cuda/cublas.py).
 """
 from __future__ import annotations
 
