@@ -76,6 +76,7 @@ class Run:
     def resume_state(self, path):
         from . import resume
         from .checkpoint import load_checkpoint, rng_from_state
+        from .saved import SavedRun
         ck = load_checkpoint(path, model_hash=self.model_hash, graph_hash=self.engine.graph_hash)
         s = ck.state
         if set(ck.lora) != set(self.engine.names):
@@ -83,8 +84,9 @@ class Run:
         lacking = [k for k in ("updates", "skipped", "data", "rng") if k not in s]
         if lacking:
             raise LoracError(f"checkpoint {ck.path} cannot be resumed: its state has no {lacking[0]}")
-        resume.check(ck, self.cfg, self.data.digest)
-        self.optim_cfg.total_steps = resume.schedule_steps(ck, self.cfg, self.log)
+        saved = SavedRun.of(ck)
+        resume.check(saved, self.cfg, self.data.digest)
+        self.optim_cfg.total_steps = resume.schedule_steps(saved, self.cfg, self.log)
         return dict(step=ck.step, updates=s["updates"], skipped=s["skipped"], lora=ck.lora, m=ck.m, v=ck.v,
                     data=s["data"], rng=rng_from_state(s["rng"]))
 
