@@ -254,9 +254,9 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     built = _build(proto, tmod, request, dtype, tune, art_dir)
     manifest = _publish(built, key, family, request, tmod, art_dir)
     if verbose:
-        gemm = manifest["gemm"]
+        gemm = manifest.gemm
         print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
-              f"{len(gemm['left_to_tvm'])} left to TVM; {manifest['compile_seconds']} s -> {art_dir}")
+              f"{len(gemm['left_to_tvm'])} left to TVM; {manifest.compile_seconds} s -> {art_dir}")
     return art_dir
 
 
@@ -330,18 +330,14 @@ def _publish(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Pa
     t0 = time.perf_counter()
     stage = mf.staging_dir(art_dir)
     files = tmod.export(b.executable, stage, b.tvm_target)
-    manifest = {
-        "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
-        **key,
-        "target": {"family": family, "request": request, "device": tmod.DEVICE,
-                   "tvm": _target_json(b.tvm_target)},
-        "library": files.pop("library"),
-        "inputs": b.inputs, "outputs": b.outputs, "gemm": b.gemm, "units": b.units, "bound_inputs": b.bound,
-        "unit_calls": b.unit_calls,
-        "memory": b.plan,
-        "extra": files,
-        "compile_seconds": {**b.seconds, "export": round(time.perf_counter() - t0, 3)},
-    }
+    request_fields = {k for k in mf.BuildRequest.__dataclass_fields__}
+    manifest = mf.Manifest(
+        graph_sha256=key["graph_sha256"], dtype=key["dtype"], tune=key["tune"],
+        built_by={k: v for k, v in key.items() if k not in request_fields},
+        target=mf.Target(family, request, tmod.DEVICE, _target_json(b.tvm_target)),
+        library=files.pop("library"), inputs=b.inputs, outputs=b.outputs, gemm=b.gemm, units=b.units,
+        bound_inputs=b.bound, unit_calls=b.unit_calls, memory=b.plan, extra=files,
+        compile_seconds={**b.seconds, "export": round(time.perf_counter() - t0, 3)})
     mf.write(stage, manifest)  # with the sha256 of every file, sealed (core/artifact_cache.py)
     mf.publish(stage, art_dir)
     return manifest

@@ -296,7 +296,7 @@ def test_tvm_cpu_build_matches_onnxruntime(tmp_path):
     from lorac.runtime.engine.artifact import load_artifact
     _, _, model = _small_packed()
     step = load_artifact(compile_graph(model, target="cpu", out_dir=tmp_path / "cpu"), device="cpu")
-    assert step.manifest["units"] == []  # the CPU inlines every attention unit
+    assert step.manifest.units == []  # the CPU inlines every attention unit
     inputs = random_inputs(model, 0)
     inputs["position_ids"] = np.stack([positions_of(4, 5), positions_of(1, 6, 2)])
     out = step(inputs)

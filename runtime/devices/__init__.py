@@ -14,7 +14,8 @@ A device module holds:
                    why `lorac train --target <target>` cannot run on this machine, in one
                    line, or None; asked before anything is loaded or compiled
     open(art_dir, manifest) -> TVM device
-                   make the TVM runtime able to run the artifact there (libraries,
+                   make the TVM runtime able to run the artifact (its manifest: a
+                   lorac.core.manifest.Manifest) there (libraries,
                    kernels, library plans) and return the device, or raise LoracError
 optional (a module without one gets the default in OPTIONAL below):
     gemm(ta, tb, a, b, out, accumulate=False)   its GEMM library (runtime/engine/gemm.py)

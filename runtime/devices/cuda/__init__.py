@@ -41,7 +41,7 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     dev = tvm.cuda(int(os.environ.get(WORKER_DEVICE, "0")))  # a data-parallel worker's GPU (select)
     if not dev.exist:
         raise LoracError("device cuda requested but no CUDA GPU is visible")
-    if manifest.get("unit_calls"):  # fused attention on cuDNN: plans built now
+    if manifest.unit_calls:  # fused attention on cuDNN: plans built now
         from . import attention as attention_cuda
         attention_cuda.prepare(manifest, dev)
     return dev

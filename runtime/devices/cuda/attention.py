@@ -104,13 +104,13 @@ def _set_stream(device_index: int) -> None:
         _stream[0] = stream
 
 
-def prepare(manifest: dict, dev) -> None:
+def prepare(manifest, dev) -> None:
     """Build (or find) the cuDNN plan of every attention call the artifact makes, size the
     shared workspace, run each plan once on scratch buffers, and register the functions."""
     import tvm
     import tvm_ffi
 
-    calls = manifest.get("unit_calls", [])
+    calls = manifest.unit_calls
     if not calls:
         return
     _init()
