@@ -398,7 +398,7 @@ def test_eval_batches_carry_positions(tmp_path, tok):
 
 def test_long_paragraph_cut_into_pieces_stays_one_document(tmp_path, tok, monkeypatch):
     from lorac.runtime import data
-    monkeypatch.setattr(data, "MAX_PARAGRAPH", 40)
+    monkeypatch.setattr(data.read, "MAX_PARAGRAPH", 40)
     (tmp_path / "t.txt").write_text("the quick brown fox jumps over a lazy dog\n" * 4 + "\nfoo bar\n")
     ds = data.load_dataset(tmp_path / "t.txt", tok, seq=512, vocab_size=tok.vocab_size, eval_fraction=0,
                            packing="isolated")
