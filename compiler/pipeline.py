@@ -15,7 +15,7 @@
 The target modules (targets/<family>) share one small interface: FAMILY, DEVICE,
 GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(mod),
 relax_passes(target), export(executable, art_dir, target) -> manifest fields; optional:
-pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu),
+pass_config(request), binds_inputs(request) (CUDA graphs: targets/cuda), tune(...) (cpu),
 native_units(dtype) (the lorac units it maps whole: units.py; the rest are inlined),
 ACCUMULATING_GEMMS (sums of GEMMs as one accumulating call: gemm_sum.py; cuda),
 ARENA_PLAN (the planned tensors in one arena: memory_plan.py; cpu, aarch64, cuda).
@@ -184,7 +184,7 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
 def bind_all_inputs(mod):
     """Mark every parameter of `main` static for RewriteCUDAGraph (Relax attribute num_input
     = 0: no parameter changes between calls), so CUDA graphs may capture work that reads
-    them; the runtime then keeps the inputs at fixed addresses (target_cuda.binds_inputs)."""
+    them; the runtime then keeps the inputs at fixed addresses (compiler/targets/cuda binds_inputs)."""
     mod["main"] = mod["main"].with_attr("num_input", 0)
     return mod
 

@@ -37,7 +37,7 @@ class TrainConfig:
     batch: int = setting(4, "sequences per micro-batch; with --gpus N, of all workers together "
                          "(--per-device-train-batch-size: per worker, as in TRL)")
     seq: int = setting(128, "tokens per sequence")
-    # "auto": isolated where the family has it, plain for Mamba and on cuda (resolve_packing; docs/DATA.md)
+    # "auto": isolated where the family has it, plain for Mamba and on cuda (train/plan.py resolve_packing; docs/DATA.md)
     packing: str = setting("auto", "how documents share a packed row: isolated (each attends only within itself "
                            "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
                            "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "

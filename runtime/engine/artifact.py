@@ -41,7 +41,7 @@ class Step:
         # ids and labels are range-checked here, where it is cheap
         self._vocab = next((i["shape"][0] for i in self.inputs if i["name"].endswith("embed_tokens.weight")), None)
         # CUDA-graph builds replay the input addresses they captured on the first call
-        # (compiler/target_cuda.binds_inputs): such a step owns one device buffer per input
+        # (compiler/targets/cuda binds_inputs): such a step owns one device buffer per input
         # and copies each call's values in, unless the value already is that buffer (what
         # `upload` returns, so weights uploaded once are never copied again)
         self.bound_inputs = manifest.bound_inputs

@@ -36,7 +36,7 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
     """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss.
     An entry that fails verification (core/artifact_cache.py) is rebuilt; one builder per entry at a
     time (others wait for it and then find it built). cuda_graph: build with CUDA graphs
-    (inputs bound: compiler/target_cuda.binds_inputs); tune: MetaSchedule trials (compiler/tune.py;
+    (inputs bound: compiler/targets/cuda binds_inputs); tune: MetaSchedule trials (compiler/tune.py;
     the database lands in cache_dir/.lorac-tuning)."""
     tuned = f"-tune{tune}" if tune else ""
     art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}{tuned}-{key[:16]}"

@@ -1,7 +1,7 @@
 """NVIDIA GPUs: artifacts of target cuda. Kernels compiled ahead into the artifact's fatbin
 (runtime/devices/cuda/loader.py: no NVRTC or nvcc on the GPU machine), GEMMs on cuBLAS (runtime/devices/cuda/cublas.py),
 bf16 attention on cuDNN's fused SDPA (runtime/devices/cuda/attention.py), the training step as CUDA
-graphs (compiler/target_cuda.binds_inputs)."""
+graphs (compiler/targets/cuda binds_inputs)."""
 from __future__ import annotations
 
 from .cublas import gemm  # noqa: F401 - the device interface's GEMM library
