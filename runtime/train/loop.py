@@ -64,6 +64,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
     from .optim import group_lrs
 
     run = Run(cfg, log)
+    cfg = run.cfg  # as planned: an --adapter's rank, alpha and targets, the packing, the checkpointing
     log, dp = run.log, run.dp
     out = Path(cfg.out)
     dp.check_identity(run)
