@@ -80,6 +80,11 @@ CASES = {
                             ["fast:unsloth-4bit-gc"]),
     "8b-4x2048-nf4-full": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "checkpointing": True, "loss_chunk": 1024},
                            []),
+    "8b-4x2048-nf4-offload": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "checkpointing": True, "offload": True,
+                                                                 "loss_chunk": 1024}, []),
+    # bf16 base, every layer recomputed, inputs offloaded: against Unsloth's offloaded checkpointing
+    "8b-4x2048-offload": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True, "loss_chunk": 1024},
+                          ["fast:unsloth-gc"]),
     # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
     "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
@@ -132,9 +137,9 @@ def auto_checkpointing(spec, train, budget_gb: float):
         n_weights -= out * inp
         packed += sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in quant_inputs(qt, name, out, inp))
     budget, source = step_memory.budget_from(None, budget_gb)
-    c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed)
-    print(f"memory: auto: {step_memory.describe(c.checkpointing, c.keep_layers, L)} ({c.why})", flush=True)
-    return replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers)
+    c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True)
+    print(f"memory: auto: {step_memory.describe(c.checkpointing, c.keep_layers, L, c.offload)} ({c.why})", flush=True)
+    return replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload)
 
 
 def model_flops(cfg: dict, B: int, S: int) -> float:

@@ -15,6 +15,7 @@ import onnx
 from .builder import INT64, GraphBuilder
 from .loss import logits_forward, loss_and_grad, loss_only
 from .norm import rmsnorm_backward, rmsnorm_forward
+from .offload import fetch, offload
 
 
 def family(spec):
@@ -36,9 +37,11 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     inputs, saved = [], []
     for L in layers:
         g.scope = f"L{L.idx}.fwd"
-        inputs.append(x)
+        recomputed = train.recomputes(spec, L.idx) and L.idx >= lowest
+        # with offload, a recomputed layer's input waits in host memory (graphs/offload.py)
+        inputs.append(offload(g, x, L.idx) if recomputed and train.offload else x)
         x, s = fam.layer_forward(c, x, L)
-        saved.append(None if (train.recomputes(spec, L.idx) or L.idx < lowest) else s)
+        saved.append(None if (recomputed or L.idx < lowest) else s)
     g.scope = "head"
     hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
     loss, dhN = loss_and_grad(g, hN, head, labels, train.batch, train.seq, spec.vocab, train.loss_chunk,
@@ -49,7 +52,8 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         g.scope = f"L{L.idx}.bwd"
         s = saved[L.idx]
         if s is None:  # checkpointing: recompute this layer's forward from its kept input
-            _, s = fam.layer_forward(c, inputs[L.idx], L)
+            x_in = fetch(g, inputs[L.idx], L.idx) if train.offload else inputs[L.idx]
+            _, s = fam.layer_forward(c, x_in, L)
         dx = fam.layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
     g.scope = "out"
     g.output(g.reshape(loss), "loss")

@@ -105,6 +105,7 @@ class TrainSpec:
     trained_layers: range | tuple[int, ...] | None = None  # None: every layer
     checkpointing: bool = False
     keep_layers: int = 0  # with checkpointing: the highest trained layers that keep their activations
+    offload: bool = False  # with checkpointing: recomputed layers' kept inputs wait in host memory (offload.py)
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
@@ -164,6 +165,8 @@ class TrainSpec:
         if self.keep_layers and not self.checkpointing:
             raise ValueError("--keep-layers is for --checkpointing (it keeps some layers' activations); "
                              "without checkpointing every layer keeps them")
+        if self.offload and not self.checkpointing:
+            raise ValueError("offload moves the inputs checkpointing keeps to host memory; it needs checkpointing")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
         if self.packing not in PACKINGS:

@@ -117,7 +117,7 @@ def _check_types(values: dict, where: str) -> None:
         d = getattr(defaults, key)
         typed = next(f.metadata.get("type") for f in fields(TrainConfig) if f.name == key)
         if key == "checkpointing":  # on/off/auto, or true/false as when it was a switch
-            ok, kind = isinstance(v, (str, bool)), "auto, on, off, true or false"
+            ok, kind = isinstance(v, (str, bool)), "auto, on, off, offload, true or false"
         elif typed is float:
             ok, kind = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
         elif key == "lora_targets":
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="fine-tune a LoRA adapter (no arguments: the bundled demo)",
                        description="Fine-tune a LoRA adapter with LoRA+ AdamW. With no arguments: SmolLM2-135M-"
                                    "Instruct on the bundled Jargon File corpus, on this CPU, into ./lorac-out.")
+    # --quantized-base's short spelling, declared first so the field's own flag is its dest's action
+    p.add_argument("--dequantize", dest="quantized_base", action="store_const", const="dequantize",
+                   help="hold a quantized base dense, dequantized on load: --quantized-base dequantize")
     _add_train_flags(p)
     p.set_defaults(func=cmd_train)
     for name, helptext in (("eval", "loss of base model or checkpoint on a data file"),
@@ -182,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--data", required=True, help="data file to score (every document counts)")
             q.add_argument("--packing", choices=("auto", "plain", "isolated"), default=None,
                            help="how documents share a row (default: the checkpoint's, else auto; see lorac train --help)")
+            q.add_argument("--truncate", choices=("none", "prompt-left"), default=None,
+                           help="prompt-left: cut long prompts from the left, each example in one row (default: the "
+                                "checkpoint's, else none; see lorac train --help)")
             q.set_defaults(func=cmd_eval)
         else:
             q.add_argument("--prompt", required=True, help="prompt text (wrapped in the chat template if any)")

@@ -13,8 +13,11 @@ from . import devices
 from .errors import LoracError
 from .train.optim import LoraPlusConfig
 
+QUANTIZE = ("nf4", "int8")  # --quantize
+QUANTIZED_BASE = ("auto", "keep", "dequantize")  # --quantized-base
+
 CPU = "cpu"  # the default --target: every machine has one
-CHECKPOINTING = ("auto", "on", "off")
+CHECKPOINTING = ("auto", "on", "off", "offload")
 
 
 @dataclass
@@ -42,6 +45,10 @@ class TrainConfig:
                            "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
                            "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "
                            "attention is not yet on cuDNN (docs/DATA.md)")
+    # "none": today's stream packing, unchanged data for old runs and checkpoints (runtime/data/fit.py)
+    truncate: str = setting("none", "prompt-left: cut prompts longer than a row from the left (the answer is kept) "
+                            "and keep each example that fits within one row, padding the rest of a row; none: "
+                            "documents run on across row ends (docs/DATA.md)")
     rank: int = setting(16, "LoRA rank r")
     alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
     rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
@@ -51,6 +58,15 @@ class TrainConfig:
         None, "comma-separated LoRA targets (default: every linear layer of the model's family: "
         + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
         flag="--targets")
+    # QLoRA (graphs/quant.py): the base's linear projections held as quantized blocks, each
+    # dequantized just before the GEMMs that read it; "auto": the device's default (runtime/devices/)
+    quantize: str | None = setting(None, "quantize the frozen linear projections on load: nf4 (QLoRA's 4-bit "
+                                   "NormalFloat in bitsandbytes' layout, block 64, double-quantized absmax) or int8 "
+                                   "(per output channel); the graph dequantizes each weight just before its GEMMs "
+                                   "(docs/WEIGHTS.md)")
+    quantized_base: str = setting("auto", "how a quantized base (a *-bnb-4bit model, a quantized GGUF, --quantize) "
+                                  "is held: keep (its blocks: QLoRA's memory), dequantize (dense from load) or auto: "
+                                  "keep on cuda, dequantize on cpu (--dequantize: the same as dequantize)")
     trained_layers: str | None = setting(None, "adapt only layers A:B, or the layers i,j,k (no backward below the "
                                          "first)")  # "A:B": layers A..B-1 only (frozen prefix below A)
     lr: float = like(LoraPlusConfig, "lr", optimizer=True)
@@ -71,10 +87,11 @@ class TrainConfig:
         "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
     # "auto": the fastest setting whose estimated memory fits the GPU (runtime/train/memory.py);
     # a bare --checkpointing means on, as when the flag was a switch
-    checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, or "
-                                 "auto: on cuda the fastest setting (none, or the most --keep-layers) whose "
-                                 "estimated memory fits the GPU's free memory or --memory-budget; off elsewhere "
-                                 "(docs/RUNTIME.md)", bare="on")
+    checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, "
+                                 "offload (on, and the recomputed layers' inputs wait in pinned host memory: cuda), "
+                                 "or auto: on cuda the fastest setting (none, or the most --keep-layers, offloaded "
+                                 "or not) whose estimated memory fits the GPU's free memory or --memory-budget; off "
+                                 "elsewhere (docs/RUNTIME.md)", bare="on")
     keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
                                "(faster, more memory); given alone, turns checkpointing on")
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
@@ -140,7 +157,11 @@ class TrainConfig:
         if isinstance(self.checkpointing, bool):  # configs and checkpoints from when it was a switch
             self.checkpointing = "on" if self.checkpointing else "off"
         if self.checkpointing not in CHECKPOINTING:
-            raise LoracError(f"--checkpointing must be auto, on or off, got {self.checkpointing!r}")
+            raise LoracError(f"--checkpointing must be auto, on, off or offload, got {self.checkpointing!r}")
+        if self.checkpointing == "offload" and (self.backend != "tvm" or not getattr(
+                devices.for_target(self.target), "OFFLOADS", False)):
+            raise LoracError(f"--checkpointing offload keeps inputs in host memory beside a GPU; --target "
+                             f"{self.target} --backend {self.backend} has no such device memory (use on)")
         if not isinstance(self.keep_layers, int) or isinstance(self.keep_layers, bool) or self.keep_layers < 0:
             raise LoracError(f"--keep-layers must be an integer >= 0, got {self.keep_layers!r}")
         if self.keep_layers and self.checkpointing == "off":
@@ -162,8 +183,16 @@ class TrainConfig:
             raise LoracError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         if not 0 <= self.eval_fraction < 1:
             raise LoracError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        if self.quantize not in (None,) + QUANTIZE:
+            raise LoracError(f"--quantize must be {' or '.join(QUANTIZE)}, got {self.quantize!r}")
+        if self.quantized_base not in QUANTIZED_BASE:
+            raise LoracError(f"--quantized-base must be {', '.join(QUANTIZED_BASE)}, got {self.quantized_base!r}")
+        if self.quantize and self.quantized_base == "dequantize":
+            raise LoracError("--quantize keeps the base quantized; it cannot be combined with --dequantize")
         if self.packing not in ("auto",) + PACKINGS:
             raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
+        from .data.fit import check_truncation
+        check_truncation(self.truncate)
         from .train.report import check_report_settings
         check_report_settings(self.progress, self.report_to)
         self.check_backend()
@@ -182,17 +211,20 @@ class TrainConfig:
         elif not self.compile_only:
             devices.check_trainable(self.target)
 
-    def train_spec(self, spec, *, workers: int = 1, loss_chunk: int | None = None, extra: dict | None = None):
+    def train_spec(self, spec, *, workers: int = 1, loss_chunk: int | None = None, extra: dict | None = None,
+                   quant: tuple = ()):
         """The TrainSpec these settings train `spec` with (the one place a TrainSpec is made from
         settings: runtime/train/plan.py, eval, generate, export --format onnx): a data-parallel
         worker's share of --batch; `loss_chunk` as resolved for the device (default --loss-chunk);
-        `extra`: the model family's own options (train_extra)."""
+        `extra`: the model family's own options (train_extra); `quant`: the frozen weights held
+        quantized (TrainSpec.quant, from the loaded weights)."""
         from lorac.graphs import TrainSpec
         return TrainSpec(batch=self.batch // workers, seq=self.seq, lora_targets=tuple(self.lora_targets or spec.targets),
                          rank=self.rank, alpha=self.alpha, rslora=self.rslora,
-                         trained_layers=self.layer_range(spec.layers), checkpointing=self.checkpointing == "on",
+                         trained_layers=self.layer_range(spec.layers),
+                         checkpointing=self.checkpointing in ("on", "offload"), offload=self.checkpointing == "offload",
                          keep_layers=self.keep_layers, loss_chunk=self.loss_chunk if loss_chunk is None else loss_chunk,
-                         packing=self.packing, extra=dict(extra or {}))
+                         packing=self.packing, quant=tuple(quant), extra=dict(extra or {}))
 
     def layer_range(self, n_layers: int):
         if not self.trained_layers:
@@ -204,3 +236,11 @@ class TrainConfig:
         except ValueError:
             raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
         return range(lo, hi)
+
+    def keeps_quantized(self) -> bool:
+        """Whether a quantized base stays in its blocks (--quantized-base, else the device's default)."""
+        if self.quantize or self.quantized_base == "keep":
+            return True
+        if self.quantized_base == "dequantize":
+            return False
+        return bool(getattr(devices.for_target(self.target), "KEEPS_QUANTIZED", False))

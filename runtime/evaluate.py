@@ -13,8 +13,8 @@ BASE = TrainConfig(batch=1, rank=1, alpha=1.0)
 
 
 def engine_for(args):
-    """(engine, tokenizer, LoRA, model source) for eval/generate: a checkpoint's model and LoRA,
-    or the base model."""
+    """(engine, tokenizer, LoRA, model source, the settings planned) for eval/generate: a
+    checkpoint's model and LoRA, or the base model."""
     from lorac.graphs import ModelSpec
 
     from . import limits
@@ -23,14 +23,16 @@ def engine_for(args):
     from .train.checkpoint import load_checkpoint
     from .train.plan import plan_graphs
     from .train.saved import SavedRun
-    TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers).check_backend()
+    checked = TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers)
+    checked.check_backend()  # --target webgpu: --backend ort (config.py)
+    args.target, args.backend = checked.target, checked.backend
     lora, saved = None, SavedRun()
     if args.checkpoint:
         ck = load_checkpoint(args.checkpoint, optimizer=False)  # the AdamW moments are not needed here
         lora, saved = ck.lora, SavedRun.of(ck)
     cfg = saved.config(BASE, model=args.model, target=args.target, backend=args.backend, cache_dir=args.cache_dir,
                        ort_providers=args.ort_providers, batch=args.batch, seq=args.seq,
-                       packing=getattr(args, "packing", None))
+                       packing=getattr(args, "packing", None), truncate=getattr(args, "truncate", None))
     source = resolve_model(cfg.model)
     config, weights, tok = source.load()
     limits.check_context(cfg.seq, config, "--seq")
@@ -42,14 +44,18 @@ def engine_for(args):
     if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
         import numpy as np
         lora = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
-    return eng, tok, lora, source
+    return eng, tok, lora, source, plan.cfg
 
 
 def cmd_eval(args) -> int:
     from .data import load_dataset
-    eng, tok, lora, _ = engine_for(args)
+    from .train.report import dropped_rows_warning
+    eng, tok, lora, _, cfg = engine_for(args)
     data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data,
-                        packing=eng.train.packing)
+                        packing=eng.train.packing, truncate=cfg.truncate)  # --truncate, else the checkpoint's
+    warning = dropped_rows_warning(data.describe(), splits=("eval",))
+    if warning:
+        print(warning, file=sys.stderr)
     total = count = 0.0
     for b in data.eval_batches(eng.train.batch):
         n = float((b["labels"][:, 1:] != -100).sum())
@@ -62,7 +68,7 @@ def cmd_eval(args) -> int:
 def cmd_generate(args) -> int:
     from .generate import check_sampling, generate, model_repetition_penalty, prompt_ids
     check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, args.repetition_penalty or 1.0)
-    eng, tok, lora, source = engine_for(args)
+    eng, tok, lora, source, _ = engine_for(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
     penalty = args.repetition_penalty or model_repetition_penalty(source.path) or 1.0
     new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,

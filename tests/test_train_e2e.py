@@ -217,3 +217,32 @@ def test_compile_only_reads_no_weight_and_no_data(workdir, trained, monkeypatch)
     assert sorted(got["compiled"]) == ["adamw", "eval", "train"]
     assert all(Path(p).is_dir() for p in got["compiled"].values())
     assert not [line for line in logs if line.startswith("compiling")], logs
+
+
+def test_dropped_rows_warn_and_truncate_prompt_left_keeps_them(workdir, tmp_path):
+    # every other prompt ~90 characters (one token each; the others ~20) before 6-character answers,
+    # rows of 32: without truncation a third of the rows hold prompt only, which the run says in one
+    # warning line and summary.json; prompt-left cuts exactly the long prompts
+    data = tmp_path / "long_prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "the red cat sat. " * (1 + 4 * (i % 2)) + f"q{i}: ",
+                                        "completion": f"mat {i % 10}."}) + "\n" for i in range(40)))
+    for truncate in ("none", "prompt-left"):
+        out = tmp_path / truncate
+        r = _run(_train_args(workdir, out, 2, "--data", str(data), "--sample-tokens", "0", "--truncate", truncate))
+        assert r.returncode == 0, r.stderr[-2000:]
+        info = json.loads((out / "summary.json").read_text())["data"]
+        line = next(l for l in r.stderr.splitlines() if l.startswith("data: "))
+        assert line.startswith(f"data: {data}: {info['train_docs']} documents, {info['train_tokens']:,} tokens")
+        warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: ") and "rows" in l]
+        assert "{" not in line and info["truncate"] == truncate and info["seq"] == 32
+        if truncate == "none":
+            left, total = info["train_rows_without_answer"], info["train_rows"] + info["train_rows_without_answer"]
+            assert left > total // 3
+            assert len(warnings) == 1 and warnings[0].startswith(
+                f"warning: {left} of {total} training rows ({left / total:.0%}) ")
+            assert "hold no answer token" in warnings[0] and "--truncate prompt-left" in warnings[0]
+        else:
+            assert warnings == [] and info["train_rows_without_answer"] == info["eval_rows_without_answer"] == 0
+            assert info["train_prompts_cut"] == sum(1 for i in range(40) if i % 2) - info["eval_prompts_cut"] > 0
+            assert info["train_pad_tokens"] > 0 and f"{info['train_prompts_cut'] + info['eval_prompts_cut']} " \
+                "prompts cut" in line

@@ -73,6 +73,41 @@ def make_mamba_dir(root: Path, layers: int = 2, seed: int = 0, **over) -> Path:
     return root
 
 
+def make_numpy_qwen3(root: Path, layers: int = 1, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                     head_dim: int = 16, intermediate: int = 128, seed: int = 0) -> Path:
+    """A tiny random Qwen3 directory written with numpy alone (no torch, no transformers), for
+    machines that have lorac's runtime but not the oracles (the GPU machine)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = char_tokenizer_json(root / "tokenizer.json")
+    (root / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=1, bos_token_id=None,
+        torch_dtype="float32")))
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": CHATML, "add_bos_token": False}))
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
+    ones = lambda n: np.ones(n, np.float32)  # noqa: E731
+    t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
+                  p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim),
+                  p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+                  p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+                  p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+                  p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                  p + "mlp.gate_proj.weight": w(intermediate, hidden), p + "mlp.up_proj.weight": w(intermediate, hidden),
+                  p + "mlp.down_proj.weight": w(hidden, intermediate)})
+    save_file(t, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
 def make_corpus(path: Path, n: int = 200) -> Path:
     """Repetitive text a tiny model learns in a few dozen steps."""
     lines = [f"the {c} cat sat on the {m} mat.\n\n" for c, m in zip(["red", "big", "old", "sly"] * n, ["blue", "flat", "new"] * n)]

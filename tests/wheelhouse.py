@@ -1,5 +1,6 @@
 """A folder of wheels for an offline `pip install --no-index --find-links`: lorac's own wheel
-built from this checkout, and the wheels of its core dependencies rebuilt from the copies
+built from this checkout, and the wheels of its core dependencies and of its build backend
+(setuptools, for `pip install .` from the checkout's copy beside the folder) rebuilt from the copies
 installed in this environment (a wheel is a zip of the installed files plus their
 .dist-info), so the packaging test needs no index and no network.
 """
@@ -63,6 +64,6 @@ def build_wheelhouse(folder: Path) -> Path:
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "lorac-out"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "-w", str(folder), str(src)], check=True, capture_output=True, timeout=600)
-    for dist in core_closure():
+    for dist in core_closure() + [md.distribution("setuptools")]:  # setuptools: `pip install .` builds with it
         repack(dist, folder)
     return folder

@@ -42,6 +42,7 @@ import os
 
 from ..errors import LoracError
 from .encode import tokenize_chunk
+from .fit import PromptLeft, check_truncation
 from .packed import PACKINGS, BatchIterator, PackedData  # noqa: F401 - the package's interface
 from .read import read_records
 from .store import IGNORE, TokenStore  # noqa: F401 - IGNORE: the package's interface
@@ -56,19 +57,21 @@ def is_eval_doc(i, fraction):
 
 
 def load_dataset(path, tokenizer, seq, vocab_size, eval_fraction=0.05, eval_path=None,
-                 cache_dir=None, chunk_docs=CHUNK_DOCS, packing="plain") -> PackedData:
+                 cache_dir=None, chunk_docs=CHUNK_DOCS, packing="plain", truncate="none") -> PackedData:
     """Tokenize and pack a data file (streaming) into a PackedData.
 
     With eval_path the eval split is that file; else every 1/eval_fraction-th document
     of `path` (and at least one, where the file has two or more documents). `packing`:
-    "plain" or "isolated" (module doc).
+    "plain" or "isolated" (module doc). `truncate`: "none", or "prompt-left" (fit.py).
     """
     if seq < 2:
         raise LoracError(f"sequence length must be at least 2, got {seq}")
+    check_truncation(truncate)
     owns = cache_dir is None
     folder, lock = temp_folder() if owns else (cache_dir, None)
     os.makedirs(folder, exist_ok=True)
-    train, eval_ = TokenStore(folder, "train"), TokenStore(folder, "eval")
+    fit = (lambda: PromptLeft(seq, tokenizer.bos_id)) if truncate == "prompt-left" else (lambda: None)
+    train, eval_ = (TokenStore(folder, name, fit(), tokenizer.eos_id) for name in ("train", "eval"))
     try:
         _fill(path, eval_path, eval_fraction, tokenizer, vocab_size, chunk_docs, train, eval_)
         data = PackedData(train, eval_, int(seq), tokenizer.eos_id, folder, owns, lock, packing)
@@ -85,7 +88,8 @@ def load_dataset(path, tokenizer, seq, vocab_size, eval_fraction=0.05, eval_path
 def _check_rows(data, path, eval_path):
     """Refuse a split none of whose rows has a label the loss sees (module doc of PackedData)."""
     why = (f"rows of {data.seq} tokens in which no answer token follows the row's first position "
-           "(prompts longer than the sequence length?); raise --seq or shorten the prompts")
+           "(prompts longer than the sequence length?); raise --seq or shorten the prompts"
+           + ("" if data.train.fit else " (--truncate prompt-left cuts them from the left)"))
     if data.n_train_rows == 0:
         raise LoracError(f"{path}: all {data.train.n_rows(data.seq)} training rows were dropped: {why}")
     if eval_path is not None and data.eval.n_tokens and len(data.eval_rows) == 0:

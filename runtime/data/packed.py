@@ -70,13 +70,19 @@ class PackedData:
             yield b
 
     def describe(self):
-        return {"train_docs": self.train.n_docs, "train_tokens": self.train.n_tokens,
-                "train_counted": self.train.n_counted, "train_rows": self.n_train_rows,
-                "train_rows_without_answer": self.train.n_rows(self.seq) - self.n_train_rows,
-                "eval_docs": self.eval.n_docs, "eval_tokens": self.eval.n_tokens,
-                "eval_counted": self.eval.n_counted, "eval_rows": len(self.eval_rows),
-                "eval_rows_without_answer": self.eval.n_rows(self.seq) - len(self.eval_rows),
-                "packing": self.packing}
+        """The counts of both splits (the run's data line and summary.json): documents, tokens
+        (padding included), tokens that count in the loss, rows used and left out, and with
+        --truncate prompt-left the prompts cut, the tokens cut from them and the padding."""
+        out = {}
+        for name, store, used in (("train", self.train, self.train_rows), ("eval", self.eval, self.eval_rows)):
+            fit = store.fit
+            out.update({f"{name}_docs": store.n_docs, f"{name}_tokens": store.n_tokens,
+                        f"{name}_counted": store.n_counted, f"{name}_rows": len(used),
+                        f"{name}_rows_without_answer": store.n_rows(self.seq) - len(used),
+                        f"{name}_prompts_cut": fit.docs_cut if fit else 0,
+                        f"{name}_prompt_tokens_cut": fit.tokens_cut if fit else 0,
+                        f"{name}_pad_tokens": store.n_pad})
+        return out | {"seq": self.seq, "packing": self.packing, "truncate": "prompt-left" if self.train.fit else "none"}
 
 
 class BatchIterator:

@@ -17,14 +17,15 @@ class TokenStore:
 
     FLUSH_TOKENS = 1 << 17
 
-    def __init__(self, folder, name):
+    def __init__(self, folder, name, fit=None, pad_id=0):
         self.ids_path = os.path.join(folder, f"{name}.ids.i32")
         self.mask_path = os.path.join(folder, f"{name}.mask.u8")
         self.starts_path = os.path.join(folder, f"{name}.starts.i64")  # offset of each document's first token
         self._ids = open(self.ids_path, "wb")
         self._mask = open(self.mask_path, "wb")
         self._starts = open(self.starts_path, "wb")
-        self.n_tokens = self.n_counted = self.n_docs = 0
+        self.n_tokens = self.n_counted = self.n_docs = self.n_pad = 0
+        self.fit, self.pad_id = fit, pad_id  # fit: --truncate prompt-left (fit.py), or None
         self.ids = self.mask = self.starts = None
         self._buf, self._buffered, self._buf_starts = [], 0, []
         self._sha_ids, self._sha_mask, self._sha_starts = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
@@ -32,9 +33,21 @@ class TokenStore:
     def append(self, ids, mask, new_doc=True):
         """A document's tokens, or with new_doc=False the next piece of the last one."""
         assert ids.dtype == np.int32 and mask.dtype == np.uint8, "the files hold int32 ids, uint8 mask"
-        if new_doc or self.n_docs == 0:
+        start = new_doc or self.n_docs == 0
+        if start and self.fit is not None:
+            ids, mask = self.fit.place(self, ids, mask)
+        self.n_docs += start
+        self._write(ids, mask, start)
+
+    def pad(self, n):
+        """n padding tokens (EOS ids that count nothing), a document of their own that n_docs
+        does not count: the rest of a row that the next document does not fit (fit.py)."""
+        self.n_pad += n
+        self._write(np.full(n, self.pad_id, np.int32), np.zeros(n, np.uint8), True)
+
+    def _write(self, ids, mask, start):
+        if start:
             self._buf_starts.append(self.n_tokens)
-            self.n_docs += 1
         self._buf.append((ids, mask))
         self._buffered += len(ids)
         self.n_tokens += len(ids)

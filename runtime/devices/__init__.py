@@ -40,6 +40,10 @@ optional (a module without one gets the default in OPTIONAL below):
     TUNED_TARGETS  its targets whose kernels `--tune` (MetaSchedule) can measure here
     CAPTURES_GRAPHS
                    the training step may run as captured device graphs (CUDA graphs)
+    KEEPS_QUANTIZED
+                   --quantized-base auto keeps a quantized base's blocks here (else
+                   dequantized on load)
+    OFFLOADS       --checkpointing offload: checkpointed inputs may wait in host memory
     DEVICE_PER_WORKER
                    data-parallel workers on one host take one device each (select(i))
     select(index)  make device `index` of this host the one artifacts open on
@@ -67,7 +71,8 @@ def _nothing(*_args):
 OPTIONAL = {
     "gemm_info": _nothing, "memory_free": _nothing, "memory_info": _nothing, "MEMORY_OF": "the device",
     "AUTO_CHECKPOINTING": False, "LOSS_CHUNK_BYTES": None, "FUSED_ATTENTION": False,
-    "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False,
+    "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
+    "OFFLOADS": False,
     "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host",
 }
 

@@ -21,6 +21,8 @@ def check_weights(config, weights, source):
         # (each layer holds at least one tensor: a larger count cannot match these weights)
         raise LoracError(f"{source}: config num_hidden_layers={layers!r} does not fit the {len(weights)} tensors "
                          "of the weights (a positive integer expected)")
-    missing = [n for n in required_tensors(config) if n not in weights]
+    from lorac.graphs.quant import detect
+    quantized = detect(weights)  # a quantized weight is held under suffixed keys (graphs/quant.py)
+    missing = [n for n in required_tensors(config) if n not in weights and n not in quantized]
     if missing:
         raise LoracError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")

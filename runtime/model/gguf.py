@@ -103,22 +103,33 @@ def float_dtype(path) -> str:
     return names.get(kinds.pop() if len(kinds) == 1 else None, "bfloat16")
 
 
-def load_gguf(path, dtype=np.float32) -> tuple[dict, dict]:
-    """(HF config dict, {HF name: array}) for a GGUF file; every tensor dequantized to dtype."""
+def load_gguf(path, dtype=np.float32, quantize=None, keep_quantized=False) -> tuple[dict, dict]:
+    """(HF config dict, {HF name: array}) for a GGUF file; every tensor dequantized to dtype,
+    except, with keep_quantized, the LoRA targets' weights in Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K:
+    those stay the file's blocks (`name.<TYPE>`, runtime/model/quant/gguf_blocks.py).
+    quantize ("nf4", "int8") then quantizes the targets that are dense."""
+    from .quant import gguf_blocks, quantize_targets, target_names
     reader = open_gguf(path)
     meta = metadata(reader)
     config = gguf_config(reader, path, meta)
     _, family = architecture(meta, path)
+    keep = set(target_names(config)) if keep_quantized else set()
     weights = {}
     for t in reader.tensors:
         key = hf_name(t.name, family)
         # GGUF lists dimensions fastest-first ([in, out]); numpy wants [out, in].
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        kind = gguf_blocks.kind_of(t.tensor_type) if key in keep and len(shape) == 2 else None
+        if kind:  # rows of blocks, reordered as the family reorders the dense rows
+            keepable, rows = gguf_blocks.row_order(family, key, config, shape[0])
+            if keepable:
+                weights[f"{key}.{kind}"] = gguf_blocks.blocks_of(t.data, kind, *shape, t.name, rows)
+                continue
         w = dequantize(t.data, int(t.tensor_type), shape, t.name)
         # the family undoes what llama.cpp's converter changed (llama's q/k row order)
         weights[key] = np.ascontiguousarray(family.tensor_from_gguf(key, w, config), dtype=as_dtype(dtype))
     check_weights(config, weights, path)
-    return config, weights
+    return config, quantize_targets(config, weights, quantize)
 
 
 # ---------------------------------------------------------------- tokenizer

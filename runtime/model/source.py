@@ -21,11 +21,13 @@ class ModelSource:
         from .weights import model_config
         return model_config(self.path)
 
-    def load(self):
-        """(HF config dict, frozen weights by HF name, Tokenizer)."""
+    def load(self, quantize: str | None = None, keep_quantized: bool = False):
+        """(HF config dict, frozen weights by HF name, Tokenizer). keep_quantized: a quantized
+        base's linear projections stay in their blocks (graphs/quant.py names them); quantize:
+        "nf4" or "int8" quantizes a dense base's projections on load."""
         from .tokenizer import load_tokenizer
         from .weights import load_model
-        config, weights = load_model(self.path)
+        config, weights = load_model(self.path, quantize=quantize, keep_quantized=keep_quantized)
         return config, weights, load_tokenizer(self.path)
 
 

@@ -102,43 +102,66 @@ def read_config(model_dir) -> dict:
     return config
 
 
-def load_hf_dir(model_dir, dtype=np.float32) -> tuple[dict, dict]:
-    """(config.json dict, {HF name: array}) from an HF model directory."""
+def load_hf_dir(model_dir, dtype=np.float32, quantize=None, keep_quantized=False) -> tuple[dict, dict]:
+    """(config.json dict, {HF name: array}) from an HF model directory.
+
+    A bitsandbytes 4-bit NF4 checkpoint (config.json quantization_config) has its quantized
+    weights dequantized to dtype through the reference (quant/nf4.py), or with keep_quantized
+    its LoRA targets' weights kept as nf4 arrays (lorac.graphs.quant layout). quantize="nf4" or
+    "int8" quantizes the targets' dense weights on load (quant.quantize_targets)."""
+    from .quant import bnb_dir, quantize_targets
     if not os.path.isdir(model_dir):
         raise LoracError(f"model directory not found: {model_dir}")
     config = read_config(model_dir)
+    shards = _shards(model_dir)
+    if bnb_dir.is_bnb(config, model_dir):
+        weights = _load_bnb(shards, config, dtype, keep_quantized, model_dir)
+    else:
+        weights = {}
+        for path, names in shards.items():
+            weights.update(load_safetensors(path, dtype, names))
+    check_weights(config, weights, model_dir)
+    return config, quantize_targets(config, weights, quantize)
+
+
+def _shards(model_dir) -> dict:
+    """{safetensors file: the tensor names to read from it, None for all} of an HF directory."""
     single = os.path.join(model_dir, "model.safetensors")
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(single):
-        weights = load_safetensors(single, dtype)
-    elif os.path.exists(index):
-        weights = _load_sharded(model_dir, index, dtype)
-    else:
+        return {single: None}
+    if not os.path.exists(index):
         raise LoracError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-    check_weights(config, weights, model_dir)
-    return config, weights
-
-
-def _weight_map(index) -> dict:
     try:
         with open(index) as f:
-            return json.load(f)["weight_map"]
+            weight_map = json.load(f)["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise LoracError(f"{index}: not a safetensors index (no weight_map)") from None
-
-
-def _load_sharded(model_dir, index, dtype):
-    weight_map = _weight_map(index)
     shards = {}
     for name, shard in weight_map.items():
         shards.setdefault(shard, []).append(name)
-    weights = {}
+    out = {}
     for shard, names in sorted(shards.items()):
         path = os.path.join(model_dir, shard)
         if not os.path.exists(path):
             raise LoracError(f"{index}: shard {shard} is missing")
-        weights.update(load_safetensors(path, dtype, names))
-    return weights
+        out[path] = names
+    return out
+
+
+def _load_bnb(shards: dict, config: dict, dtype, keep_quantized: bool, source) -> dict:
+    """A bitsandbytes 4-bit checkpoint's tensors: quantization state read as float32, the rest
+    in dtype; then each quantized weight kept as nf4 arrays (the LoRA targets, when asked) or
+    dequantized (quant/bnb_dir.py)."""
+    from .quant import bnb_dir, target_names
+    shards = {path: list(read_safetensors_header(path)[0]) if names is None else names for path, names in shards.items()}
+    state = bnb_dir.float32_names([n for names in shards.values() for n in names])  # a weight's state may span shards
+    tensors = {}
+    for path, names in shards.items():
+        tensors.update(load_safetensors(path, np.float32, [n for n in names if n in state]))
+        tensors.update(load_safetensors(path, dtype, [n for n in names if n not in state]))
+    keep = set(target_names(config)) if keep_quantized else set()
+    return bnb_dir.convert(tensors, dtype, keep, source)
 
 
 def weight_files(path) -> list:
@@ -182,6 +205,19 @@ def model_config(path) -> dict:
     return read_config(path)
 
 
+def load_model(path, dtype=np.float32, quantize=None, keep_quantized=False) -> tuple[dict, dict]:
+    """(config dict, weights) from an HF model directory or a .gguf file. keep_quantized keeps
+    the LoRA targets' weights that the file holds quantized (bitsandbytes NF4, GGUF Q4_0..Q6_K)
+    as they are; quantize ("nf4", "int8") quantizes the targets' dense weights (runtime/model/quant)."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf import load_gguf
+        return load_gguf(path, dtype, quantize=quantize, keep_quantized=keep_quantized)
+    if os.path.isfile(path):
+        raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
+    return load_hf_dir(path, dtype, quantize=quantize, keep_quantized=keep_quantized)
+
+
 class TensorInfo(NamedTuple):
     """A tensor as load_model would return it, without its data: dtype, size, nbytes."""
     dtype: np.dtype
@@ -190,11 +226,11 @@ class TensorInfo(NamedTuple):
 
 
 def tensor_infos(path, dtype=np.float32) -> dict:
-    """{name: TensorInfo} of what load_model(path, dtype) returns (float tensors converted to
-    dtype, integer ones as stored), from the safetensors headers or the GGUF tensor infos:
-    no tensor is read (`--compile-only` sizes its step from these)."""
+    """{name: TensorInfo} of what load_model(path, dtype) returns for a base held dense (float
+    tensors converted to dtype, integer ones as stored), from the safetensors headers or the
+    GGUF tensor infos: no tensor is read (`--compile-only` sizes its step from these)."""
     path, dtype = os.fspath(path), as_dtype(dtype)
-    info = lambda dt, n: TensorInfo(dt, n, n * dt.itemsize)
+    info = lambda dt, n: TensorInfo(dt, n, n * dt.itemsize)  # noqa: E731
     if os.path.isfile(path) and path.endswith(".gguf"):
         from .gguf import architecture, hf_name, metadata, open_gguf
         reader = open_gguf(path)
@@ -204,42 +240,33 @@ def tensor_infos(path, dtype=np.float32) -> dict:
         raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
     if not os.path.isdir(path):
         raise LoracError(f"model directory not found: {path}")
-    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(single):
-        files = {single: None}
-    elif os.path.exists(index):
-        files = {}
-        for name, shard in _weight_map(index).items():
-            if not os.path.exists(os.path.join(path, shard)):
-                raise LoracError(f"{index}: shard {shard} is missing")
-            files.setdefault(os.path.join(path, shard), []).append(name)
-    else:
-        raise LoracError(f"{path}: no model.safetensors or model.safetensors.index.json")
     out = {}
-    for file, names in files.items():
+    for file, names in _shards(path).items():
         header = read_safetensors_header(file)[0]
         for name in header if names is None else names:
             if name not in header:
                 raise LoracError(f"{file}: tensor {name} is missing")
-            e = header[name]
-            stored = e["dtype"]
+            stored = header[name]["dtype"]
             dt = dtype if stored in ("F64", "F32", "F16", "BF16") else np.dtype(SAFETENSORS_DTYPES[stored])
-            out[name] = info(dt, int(np.prod(e["shape"], dtype=np.int64)))
+            out[name] = info(dt, int(np.prod(header[name]["shape"], dtype=np.int64)))
     return out
 
 
 def frozen_sizes_of(path) -> tuple[int, int]:
-    """train/memory.frozen_sizes of the weights load_model(path) would return, from headers alone."""
+    """train/memory.frozen_sizes of the weights load_model(path) returns for a base held
+    dense, from headers alone."""
     from ..train.memory import frozen_sizes
     return frozen_sizes(tensor_infos(path))
 
 
-def load_model(path, dtype=np.float32) -> tuple[dict, dict]:
-    """(config dict, weights) from an HF model directory or a .gguf file."""
+def holds_quantized(path, config: dict) -> bool:
+    """Whether the model's file holds quantized weights a run may keep as they are (a
+    bitsandbytes 4-bit directory, a GGUF with quantized blocks): their layout comes from
+    loading them, not from the headers."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        from .gguf import load_gguf
-        return load_gguf(path, dtype)
-    if os.path.isfile(path):
-        raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
-    return load_hf_dir(path, dtype)
+        from .gguf import open_gguf
+        from .quant import gguf_blocks
+        return any(gguf_blocks.kind_of(t.tensor_type) for t in open_gguf(path).tensors)
+    from .quant import bnb_dir
+    return bnb_dir.is_bnb(config, path)

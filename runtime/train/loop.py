@@ -140,9 +140,12 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                    eval_loss_after=final_eval, interrupted=interrupted,
                    stopped_by=signal.Signals(stop["signal"]).name if interrupted and stop["signal"] else None,
                    sample_base=base_sample,
-                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None)
+                   sample_adapted=show_sample(run, eng.lora, "adapted") if not interrupted else None,
+                   data=run.data.describe())
     if gpu_in_use is not None:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
+    if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (runtime/engine/ort.py)
+        summary["device"] = eng.describe()
     if not interrupted:
         from ..export import PeftRefused, export_peft
         from .plot import plot_metrics

@@ -50,14 +50,16 @@ class Choice:
     keep_layers: int
     need: int | None  # estimated bytes, None when not estimated
     why: str  # one line for the log
+    offload: bool = False  # the recomputed layers' inputs wait in host memory
 
 
-def describe(checkpointing: bool, keep_layers: int, n_trained: int) -> str:
+def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: bool = False) -> str:
     if not checkpointing:
         return "checkpointing off"
+    where = ", their inputs offloaded to host memory" if offload and keep_layers < n_trained else ""
     if keep_layers:
-        return f"checkpointing on, keeping {min(keep_layers, n_trained)} of {n_trained} layers"
-    return f"checkpointing on, all {n_trained} layers recomputed"
+        return f"checkpointing on, keeping {min(keep_layers, n_trained)} of {n_trained} layers{where}"
+    return f"checkpointing on, all {n_trained} layers recomputed{where}"
 
 
 def _fused_attention(spec, train, dtype: str) -> bool:
@@ -79,6 +81,8 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
         return None
     full, lean, recomputed, backward = per
     T = train.batch * train.seq
+    if getattr(train, "offload", False):  # a recomputed layer's input waits in host memory (graphs/offload.py)
+        recomputed = max(recomputed - itemsize * spec.hidden, 0)
     kept = [full if not train.checkpointing else recomputed if train.recomputes(spec, layer) else lean
             for layer in sorted(train.layers(spec))]
     chunk = min(train.loss_chunk or T, T)
@@ -122,15 +126,27 @@ def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes:
     if plan is None:
         return None
     weights = n_weights * (2 if dtype == "bfloat16" else 4) + packed_bytes
-    return plan + dequant_workspace(spec, train, dtype) + weights + 16 * lora_params(spec, train)
+    return plan + dequant_workspace(spec, train, dtype) + offload_staging(spec, train, dtype) + weights + \
+        16 * lora_params(spec, train)
 
 
-def settings(n_trained: int):
-    """(checkpointing, keep_layers) from fastest to leanest: no checkpointing, then every layer
-    kept lean, then one layer fewer kept at a time down to all recomputed."""
-    yield False, 0
+def offload_staging(spec, train, dtype: str) -> int:
+    """The device buffers offloaded inputs pass through (two each way: runtime/devices/cuda/offload.py)."""
+    if not getattr(train, "offload", False):
+        return 0
+    return 4 * train.batch * train.seq * spec.hidden * (2 if dtype == "bfloat16" else 4)
+
+
+def settings(n_trained: int, offload: bool = False):
+    """(checkpointing, keep_layers, offload) from fastest to leanest: no checkpointing, then
+    every layer kept lean, then one layer fewer kept at a time down to all recomputed; where
+    the device offloads, each count of kept layers with its recomputed layers' inputs in host
+    memory too, right after it (the copies overlap the compute: about the same time, less memory)."""
+    yield False, 0, False
     for keep in range(n_trained, -1, -1):
-        yield True, keep
+        yield True, keep, False
+        if offload and keep < n_trained:
+            yield True, keep, True
 
 
 def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, str]:
@@ -145,22 +161,24 @@ def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, s
     return free - reserve, f"{free / 1e9:.1f} GB free on the GPU less {reserve / 1e9:.1f} GB reserve"
 
 
-def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str, packed_bytes: int = 0) -> Choice:
-    """The fastest setting of settings() whose estimate fits `budget` (full checkpointing when
-    none does); no checkpointing without a budget or an estimate."""
+def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str, packed_bytes: int = 0,
+           offload: bool = False) -> Choice:
+    """The fastest setting of settings() whose estimate fits `budget` (the leanest when none
+    does); no checkpointing without a budget or an estimate. offload: the device can offload."""
     gb = lambda n: f"{n / 1e9:.1f} GB"
     if budget is None:
         return Choice(False, 0, None, f"{source}, no budget to fit; give --memory-budget GB to choose for a GPU")
     n_trained = len(train.layers(spec))
     first = None
-    for ckpt, keep in settings(n_trained):
-        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep), n_weights, dtype, packed_bytes)
+    for ckpt, keep, off in settings(n_trained, offload):
+        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep, offload=off), n_weights, dtype,
+                        packed_bytes)
         if need is None:
             return Choice(False, 0, None, "no memory estimate for this model and attention (docs/RUNTIME.md); "
                                           "set --checkpointing / --keep-layers yourself")
         first = first or need
         if need <= budget:
             more = "" if not ckpt else f"; no checkpointing needs {gb(first)}"
-            return Choice(ckpt, keep, need, f"estimated {gb(need)} of a {gb(budget)} budget ({source}){more}")
+            return Choice(ckpt, keep, need, f"estimated {gb(need)} of a {gb(budget)} budget ({source}){more}", off)
     return Choice(True, 0, need, f"even full checkpointing needs an estimated {gb(need)}, more than the "
-                                 f"{gb(budget)} budget ({source}); trying it anyway")
+                                 f"{gb(budget)} budget ({source}); trying it anyway", offload)

@@ -51,10 +51,11 @@ def workers_of(cfg: TrainConfig, dp) -> int:
     return dp.size if dp.size > 1 else max(cfg.gpus, 1)
 
 
-def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int], *, adapter=None, saved=None,
-             dp=None, log=None) -> Plan:
+def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int], *, quant: tuple = (),
+             adapter=None, saved=None, dp=None, log=None) -> Plan:
     """The Plan of `lorac train` (module doc). `frozen`: (dense frozen elements, bytes of
-    quantized blocks), train/memory.frozen_sizes. `adapter`: the --adapter read (its settings
+    quantized blocks), train/memory.frozen_sizes; `quant`: the weights held quantized
+    (TrainSpec.quant). `adapter`: the --adapter read (its settings
     replace the flags it decides); `saved`: the --resume checkpoint's SavedRun; `dp`: the
     data-parallel workers (dist.current()); `log` hears each choice and why."""
     from lorac.graphs.families import for_spec
@@ -84,7 +85,7 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
         if loss_chunk:
             log(f"loss chunk: {loss_chunk} tokens ({cfg.target} default: fp32 logits of a chunk <= "
                 f"{device.LOSS_CHUNK_BYTES / 2**30:g} GiB)")
-    train = cfg.train_spec(spec, workers=workers, loss_chunk=loss_chunk, extra=extra)
+    train = cfg.train_spec(spec, workers=workers, loss_chunk=loss_chunk, extra=extra, quant=quant)
     if cfg.checkpointing == "auto":
         cfg, train = choose_checkpointing(cfg, spec, train, frozen, device, saved=saved, dp=dp, log=log)
     train.validate(spec)
@@ -101,8 +102,9 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     in the settings too (checkpoints record what ran; a resumed run compiles the same graph).
     Returns (cfg, train)."""
     from . import memory as step_memory
+    off = False
     if cfg.resume:  # the checkpoint's graph
-        ckpt, keep = saved.checkpointing == "on", saved.keep_layers
+        ckpt, keep, off = saved.checkpointing in ("on", "offload"), saved.keep_layers, saved.checkpointing == "offload"
         why = f"the checkpoint's setting ({cfg.resume})"
     elif cfg.keep_layers:
         ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
@@ -117,12 +119,14 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
             budget = int(gather([budget], "the memory budgets").min())
             source += f", the least of {dp.size} workers"
         n_weights, packed = frozen
-        choice = step_memory.choose(spec, train, n_weights, cfg.dtype or device.DEFAULT_DTYPE, budget, source, packed)
-        ckpt, keep, why = choice.checkpointing, choice.keep_layers, choice.why
-    train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0)
-    cfg = replace(cfg, checkpointing="on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+        choice = step_memory.choose(spec, train, n_weights, cfg.dtype or device.DEFAULT_DTYPE, budget, source, packed,
+                                    offload=device.OFFLOADS)
+        ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
+    off = off and ckpt
+    train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
+    cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
     if log is not None:
-        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)))} ({why})")
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off)} ({why})")
     return cfg, train
 
 
@@ -133,4 +137,5 @@ def plan_graphs(cfg: TrainConfig, spec) -> Plan:
     runs, or the graph is exported), and no family options."""
     device = devices.for_target(cfg.target)
     cfg = replace(cfg, packing=resolve_packing(cfg.packing, spec, device), checkpointing="off", keep_layers=0)
+    # (a quantized base's layout is the loaded weights': eval and generate hold theirs dense)
     return Plan(cfg, spec, cfg.train_spec(spec, loss_chunk=0), device)

@@ -107,3 +107,44 @@ def compile_all(engine, kinds, progress: str) -> None:
                 engine.compile(kind)
         finally:
             engine.log = log
+
+
+def data_lines(path, info: dict) -> list[str]:
+    """The run's data line, from PackedData.describe() (which summary.json keeps whole), and a
+    warning line when rows were left out for want of an answer token."""
+    def rows(split, size=""):
+        n, left = info[f"{split}_rows"], info[f"{split}_rows_without_answer"]
+        return f"{n + left:,} rows{size}" + (f", {n:,} used ({left:,} left out: no answer token)" if left else "")
+    seq = info["seq"]
+    line = (f"data: {path}: {info['train_docs']:,} documents, {info['train_tokens']:,} tokens "
+            f"({info['train_counted']:,} in the loss) -> {rows('train', f' of {seq} tokens')}")
+    if info["eval_tokens"]:
+        line += f"; eval {info['eval_docs']:,} documents, {rows('eval')}"
+    line += f"; packing {info['packing']}"
+    if info["truncate"] != "none":
+        cut, pad = info["train_prompts_cut"] + info["eval_prompts_cut"], info["train_pad_tokens"] + info["eval_pad_tokens"]
+        tokens = max(info["train_tokens"] + info["eval_tokens"], 1)
+        line += (f"; {info['truncate']}: {cut:,} prompts cut by "
+                 f"{info['train_prompt_tokens_cut'] + info['eval_prompt_tokens_cut']:,} tokens, "
+                 f"{pad:,} padding tokens ({pad / tokens:.0%})")
+    warning = dropped_rows_warning(info)
+    return [line] + ([warning] if warning else [])
+
+
+def dropped_rows_warning(info: dict, splits=("train", "eval")) -> str | None:
+    """One line where rows of `splits` were left out for want of an answer token: how many, why,
+    and the fix (PackedData.describe()'s counts)."""
+    dropped = [(split, info[f"{split}_rows_without_answer"], info[f"{split}_rows"] + info[f"{split}_rows_without_answer"])
+               for split in splits if info[f"{split}_rows_without_answer"]]
+    if dropped:
+        told = " and ".join(f"{left:,} of {total:,} {'training' if split == 'train' else split} rows ({left / total:.0%})"
+                            for split, left, total in dropped)
+        if info["truncate"] == "none":
+            why = (f"documents longer than --seq {info['seq']} spread over several rows, and their answers see only "
+                   "the part of their prompt in their own row; raise --seq, or add --truncate prompt-left (each "
+                   "example whole in one row, long prompts cut from the left; docs/DATA.md)")
+        else:
+            why = (f"documents longer than --seq {info['seq']} even without the prompt before their first answer "
+                   "(long later turns of a conversation) spread over several rows; raise --seq")
+        return f"warning: {told} hold no answer token and are left out: {why}"
+    return None

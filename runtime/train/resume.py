@@ -30,7 +30,7 @@ def check(saved, cfg, data_digest: str) -> None:
             raise LoracError(f"--resume {saved.path}: it was trained with {flag} {old}, this run asks for {new}; "
                              "resume with the checkpoint's settings or start a new run")
     if saved.data_sha256 is not None and saved.data_sha256 != data_digest:
-        raise LoracError(f"--resume {saved.path}: the training data differ from the checkpoint's (another --data file, "
+        raise LoracError(f"--resume {saved.path}: the training data differ from the checkpoint's (another --data file, --truncate, "
                          "tokenizer, --seq or eval split); resume with the same data or start a new run")
 
 

@@ -16,6 +16,19 @@ import numpy as np
 from ..config import TrainConfig
 from ..errors import LoracError
 from .plan import plan_run
+from .report import data_lines
+
+
+def _quantized(weights: dict, log) -> tuple:
+    """TrainSpec.quant of the loaded weights (their quantized projections), logged in one line."""
+    from lorac.graphs.quant import detect
+    quant = tuple(sorted(detect(weights).items()))
+    if quant:
+        kinds = sorted({q.kind for _, q in quant})
+        size = sum(w.nbytes for n, w in weights.items() if ".weight." in n)
+        log(f"base: {len(quant)} linear weights kept quantized ({', '.join(kinds)}; {size / 1e9:.2f} GB of blocks "
+            "and scales), each dequantized just before its GEMMs (--dequantize: dense instead)")
+    return quant
 
 
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
@@ -43,15 +56,17 @@ class Run:
             self.log = lambda msg: None
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
-        self.model_config, weights, self.tokenizer = self.source.load()
+        self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, cfg.keeps_quantized())
+        quant = _quantized(weights, self.log)
         from .memory import frozen_sizes
-        self.plan, self.adapter = _plan(cfg, self.model_config, frozen_sizes(weights), dp, self.log)
+        self.plan, self.adapter = _plan(cfg, self.model_config, frozen_sizes(weights), quant, dp, self.log)
         self.cfg = cfg = self.plan.cfg
         self.spec, self.train_spec = self.plan.spec, self.plan.train
         data_path, self.eval_path = data_files(cfg)
         self.data = load_dataset(data_path, self.tokenizer, cfg.seq, self.spec.vocab, eval_fraction=cfg.eval_fraction,
-                                 eval_path=self.eval_path, packing=cfg.packing)
-        self.log(f"data: {data_path}: {json.dumps(self.data.describe())}")
+                                 eval_path=self.eval_path, packing=cfg.packing, truncate=cfg.truncate)
+        for line in data_lines(data_path, self.data.describe()):
+            self.log(line)
         self.optim_cfg = cfg.optim_config()
         device = self.plan.device
         info = device.gemm_info() if cfg.backend == "tvm" and not cfg.compile_only else None
@@ -115,9 +130,10 @@ class Run:
         return total / max(count, 1.0)
 
 
-def _plan(cfg: TrainConfig, model_config: dict, frozen: tuple[int, int], dp, log):
+def _plan(cfg: TrainConfig, model_config: dict, frozen: tuple[int, int], quant: tuple, dp, log):
     """(the run's Plan, the --adapter read or None): reads the adapter and the --resume
-    checkpoint's settings, the two files the plan takes besides the model's config."""
+    checkpoint's settings, the two files the plan takes besides the model's config and the
+    frozen weights' sizes and quantized layout (`quant`: TrainSpec.quant)."""
     from lorac.graphs import ModelSpec
     spec = ModelSpec.from_hf_config(model_config)
     adapter = None
@@ -129,7 +145,8 @@ def _plan(cfg: TrainConfig, model_config: dict, frozen: tuple[int, int], dp, log
     if cfg.resume and cfg.checkpointing == "auto":  # the checkpoint's graph
         from .saved import SavedRun
         saved = SavedRun.read(cfg.resume)
-    return plan_run(cfg, spec, model_config, frozen, adapter=adapter, saved=saved, dp=dp, log=log), adapter
+    return plan_run(cfg, spec, model_config, frozen, quant=quant, adapter=adapter, saved=saved, dp=dp,
+                    log=log), adapter
 
 
 def data_files(cfg: TrainConfig) -> tuple[str, str | None]:
@@ -208,17 +225,25 @@ def graph_kinds(cfg: TrainConfig, tokenizer, eval_path) -> list[str]:
 def precompile(cfg: TrainConfig, log=None) -> dict:
     """Compile every graph the run would use into the cache (compile here, train elsewhere):
     the plan from the model's config and its weights' shapes (file headers), no weight or
-    training data loaded."""
+    training data loaded. A base the run keeps quantized is the exception: its layout comes
+    from loading it (weights.holds_quantized)."""
     from ..dist import current
     from ..engine import make_engine
     from ..model.source import resolve_model
     from ..model.tokenizer import load_tokenizer
-    from ..model.weights import frozen_sizes_of
+    from ..model.weights import frozen_sizes_of, holds_quantized
+    from .memory import frozen_sizes
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     source = resolve_model(cfg.model)
     log(f"model: {source.describe()}")
     config = source.config()
-    plan, adapter = _plan(cfg, config, frozen_sizes_of(source.path), current(), log)
+    if cfg.quantize or (cfg.keeps_quantized() and holds_quantized(source.path, config)):
+        config, weights, _ = source.load(cfg.quantize, True)
+        frozen, quant = frozen_sizes(weights), _quantized(weights, log)
+        del weights
+    else:
+        frozen, quant = frozen_sizes_of(source.path), ()
+    plan, adapter = _plan(cfg, config, frozen, quant, current(), log)
     engine = make_engine(cfg.backend, plan.spec, plan.train, None, cfg.target, cfg.dtype, cfg.cache_dir,
                          cfg.optim_config(), log, cuda_graph=not cfg.no_cuda_graph, ranks=plan.workers, tune=cfg.tune)
     if adapter:

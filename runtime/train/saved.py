@@ -26,7 +26,8 @@ class SavedRun:
     lora_targets: tuple[str, ...] | None = None
     trained_layers: str | None = None
     packing: str | None = None  # as resolved (checkpoints record what ran)
-    checkpointing: str = "off"  # "on" or "off" as resolved
+    truncate: str | None = None  # --truncate (none before it existed: "none")
+    checkpointing: str = "off"  # "on", "off" or "offload" as resolved
     keep_layers: int = 0
     steps: int | None = None
     optimizer: dict = field(default_factory=dict)  # the optimizer settings it recorded (TrainConfig.optimizer_settings)
@@ -41,11 +42,12 @@ class SavedRun:
         tc = state.get("train_config") or {}
         targets = tc.get("lora_targets") or tc.get("targets")  # `targets` before the rename
         ckpt = tc.get("checkpointing", False)
-        ckpt = ("on" if ckpt else "off") if isinstance(ckpt, bool) else ("on" if ckpt == "on" else "off")
+        ckpt = ("on" if ckpt else "off") if isinstance(ckpt, bool) else (ckpt if ckpt in ("on", "offload") else "off")
         return cls(path=Path(path) if path is not None else None, step=state.get("step", 0), model=tc.get("model"),
                    batch=tc.get("batch"), seq=tc.get("seq"), rank=tc.get("rank"), alpha=tc.get("alpha"),
                    rslora=bool(tc.get("rslora", False)), lora_targets=tuple(targets) if targets else None,
-                   trained_layers=tc.get("trained_layers"), packing=tc.get("packing"), checkpointing=ckpt,
+                   trained_layers=tc.get("trained_layers"), packing=tc.get("packing"), truncate=tc.get("truncate"),
+                   checkpointing=ckpt,
                    keep_layers=int(tc.get("keep_layers") or 0), steps=tc.get("steps"),
                    optimizer={k: tc[k] for k in TrainConfig.optimizer_settings() if tc.get(k) is not None},
                    schedule_steps=state.get("schedule_steps"), data_sha256=state.get("data_sha256"),

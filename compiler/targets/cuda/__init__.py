@@ -63,14 +63,16 @@ def native_units(dtype: str) -> dict:
     (compiler/units/scan.py); bf16 builds map the attention units to cuDNN's fused SDPA
     (compiler/targets/cuda/attention.py) and SwiGLU's backward to one kernel per call (compiler/units/swiglu.py);
     cuDNN has no fp32 SDPA, so fp32 builds inline them as TVM kernels. The optimizer's
-    AdamWStep updates its bucket in place in one kernel (compiler/units/adamw.py; its graph is fp32)."""
+    AdamWStep updates its bucket in place in one kernel (compiler/units/adamw.py; its graph is fp32).
+    Offloaded checkpoints go to pinned host memory and back (compiler/units/offload.py)."""
     from ...units.adamw import converters as adamw
+    from ...units.offload import converters as offload
     from ...units.scan import converters as scan
     if dtype != "bfloat16":
-        return {**scan(gpu=True), **adamw()}
+        return {**scan(gpu=True), **adamw(), **offload(dtype)}
     from .attention import converters as attention
     from ...units.swiglu import converters as swiglu
-    return {**attention(), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16"), **adamw()}
+    return {**attention(), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16"), **adamw(), **offload(dtype)}
 
 
 def check_environment(request: dict) -> None:

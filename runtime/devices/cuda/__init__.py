@@ -1,7 +1,8 @@
 """NVIDIA GPUs: artifacts of target cuda. Kernels compiled ahead into the artifact's fatbin
 (runtime/devices/cuda/loader.py: no NVRTC or nvcc on the GPU machine), GEMMs on cuBLAS (runtime/devices/cuda/cublas.py),
 bf16 attention on cuDNN's fused SDPA (runtime/devices/cuda/attention.py), the training step as CUDA
-graphs (compiler/targets/cuda binds_inputs)."""
+graphs (compiler/targets/cuda binds_inputs), offloaded checkpoints in pinned host memory
+(runtime/devices/cuda/offload.py)."""
 from __future__ import annotations
 
 from .cublas import gemm  # noqa: F401 - the device interface's GEMM library
@@ -12,6 +13,10 @@ TARGETS = ("cuda",)
 DLPACK = 2  # kDLCUDA
 DEFAULT_DTYPE = "bfloat16"
 CAPTURES_GRAPHS = True
+# a quantized base stays in its blocks (QLoRA): the GPU is where its memory matters
+KEEPS_QUANTIZED = True
+# --checkpointing offload: checkpointed inputs in pinned host memory (offload.py)
+OFFLOADS = True
 ORT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 ORT_MEMORY = "cuda"
 MEMORY_OF = "the GPU"
@@ -41,9 +46,12 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     dev = tvm.cuda(int(os.environ.get(WORKER_DEVICE, "0")))  # a data-parallel worker's GPU (select)
     if not dev.exist:
         raise LoracError("device cuda requested but no CUDA GPU is visible")
-    if manifest.unit_calls:  # fused attention on cuDNN: plans built now
-        from . import attention as attention_cuda
+    calls = {c.get("function") for c in manifest.unit_calls}
+    from . import attention as attention_cuda, offload
+    if calls & {attention_cuda.FWD, attention_cuda.BWD}:  # fused attention on cuDNN: plans built now
         attention_cuda.prepare(manifest, dev)
+    if offload.OFFLOAD in calls:  # offloaded checkpoints: pinned buffers and staging made now
+        offload.prepare(manifest)
     return dev
 
 

@@ -15,6 +15,8 @@ the manifest lists (`unit_calls`), and each is executed once on scratch buffers 
 first step of a CUDA-graph artifact is captured, and building plans, loading kernels or
 allocating inside a capture is not allowed. Calls run on the stream TVM names (the
 capture stream while a graph records), like the cuBLAS GEMMs (runtime/devices/cuda/cublas.py).
+At exit release() frees the plans and the handle before Python's teardown, so a run ends on
+its summary rather than on cuDNN frontend's leak report.
 """
 from __future__ import annotations
 
@@ -88,9 +90,29 @@ def _init() -> None:
                          f"nvidia-cudnn-cu13 (pip install 'lorac[cuda]') ({e})") from None
     _cudnn = cudnn
     _handle = cudnn.create_handle()
+    import atexit
+    atexit.register(release)  # after cudnn's own exit hooks are registered, so it runs before them
     import tvm_ffi
     _get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
     _get_stream.restype, _get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
+
+
+def release() -> None:
+    """Free the plans, the workspace and the handle, in that order, while the interpreter and
+    the CUDA context are whole. Run at exit: otherwise the built graphs outlive Python's
+    teardown and cuDNN's frontend (nanobind) prints hundreds of `nanobind: leaked ...` lines
+    after the run's summary. A later prepare() starts afresh."""
+    global _cudnn, _handle
+    import gc
+    _plans.clear()
+    _workspace.update(bytes=0, tensor=None, ptr=0)
+    gc.collect()  # graphs in reference cycles go now, not in the teardown
+    if _handle is not None:
+        try:
+            _cudnn.destroy_handle(_handle)
+        except Exception:  # noqa: BLE001 - at exit nothing is left to report it to
+            pass
+    _cudnn, _handle, _stream[0] = None, None, None
 
 
 def _key(call: dict) -> tuple:
@@ -110,7 +132,7 @@ def prepare(manifest, dev) -> None:
     import tvm
     import tvm_ffi
 
-    calls = manifest.unit_calls
+    calls = [c for c in manifest.unit_calls if c.get("function") in (FWD, BWD)]
     if not calls:
         return
     _init()

@@ -1,0 +1,282 @@
+"""Quantized frozen weights: the graph inputs a quantized [out, in] weight takes, and the ONNX
+that dequantizes them to fp32 inside the graph (QLoRA: NF4, int8, GGUF blocks).
+
+A weight `name` quantized as `q` is fed as the inputs `quant_inputs(q, name, out, in)` lists
+(the runtime's frozen-weights dict holds exactly these keys, never `name` itself);
+`declare(g, q, ...)` declares them and `QuantWeight.dense(g)` emits the dequantization, fresh
+nodes at every call (forward, backward and recompute each dequantize; the compiler decides
+what to fuse). The layouts, and the reference each emitter equals bit for bit in float32:
+
+  nf4   bitsandbytes' NF4 (`dequantize_4bit`). `name.nf4` uint8 [out, in/2], two codes a byte,
+        the first element in the high nibble; `name.nf4_code` float32 [16] (the quant_map);
+        `name.absmax` float32 [out*in/block], or with double quantization `name.absmax_q`
+        uint8 [n_blocks], `name.absmax_code` float32 [256], `name.absmax_scale` float32
+        [ceil(n_blocks/256)], `name.absmax_offset` float32 [1]:
+        absmax = absmax_code[absmax_q] * absmax_scale[b // 256] + offset; w = code[q] * absmax[i // block]
+  int8  `name.int8` int8 [out, in], `name.int8_scale` float32 [out]: w = q * scale[:, None]
+  GGUF  `name.<TYPE>` uint8 [out, in/QK * block_bytes]: the file's blocks, row by row
+        (Q4_0, Q4_1, Q8_0: QK 32; Q4_K, Q5_K, Q6_K: QK 256); `gguf.quants.dequantize`.
+
+Every op is a default-domain ONNX op onnxruntime and TVM's ONNX frontend both convert
+(Slice, BitShift, BitwiseAnd/Or, Cast, Gather, Concat, Reshape, Expand, Mul, Add, Sub).
+GGUF's fp16 scales are decoded from their two bytes with exact arithmetic: the sign and
+exponent byte picks a power of two (and the implicit leading bit) from a 64-entry table,
+times the integer mantissa, an exact product for every finite fp16 (subnormals included;
+exponent 31, inf/NaN, decodes to +-inf). GGUF's products are exact in fp32 (an 11-bit fp16
+times small integers), so fusing a multiply and add into an FMA cannot change them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from lorac.core.errors import LoracError
+
+# (values per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES has them
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+KINDS = ("nf4", "int8", *GGUF_BLOCKS)
+NF4_BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes bitsandbytes takes
+NESTED = 256  # values per block of the double-quantized absmax (bitsandbytes' nested blocksize)
+NF4_DOUBLE = ("absmax_q", "absmax_code", "absmax_scale", "absmax_offset")
+
+I32, F32 = ir.DataType.INT32, ir.DataType.FLOAT
+
+
+@dataclass(frozen=True)
+class Quant:
+    kind: str             # "nf4" | "int8" | a GGUF type name: "Q4_0","Q4_1","Q8_0","Q4_K","Q5_K","Q6_K"
+    block: int = 64       # nf4: elements per absmax block (bitsandbytes blocksize)
+    double: bool = False  # nf4: absmax 8-bit quantized itself (bnb compress_statistics; nested block 256)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise LoracError(f"quantization {self.kind!r} is not supported (supported: {', '.join(KINDS)})")
+        if self.kind == "nf4" and self.block not in NF4_BLOCKS:
+            raise LoracError(f"nf4 block size {self.block} is not one of bitsandbytes' {NF4_BLOCKS}")
+
+
+def check_shape(q: Quant, name: str, out: int, inp: int) -> None:
+    """A LoracError naming the tensor when an [out, in] weight cannot be held as q."""
+    if q.kind == "nf4":
+        if (out * inp) % q.block or inp % 2:
+            raise LoracError(f"tensor {name}: nf4 needs {out}x{inp} values to be whole blocks of {q.block} "
+                             "and rows of an even length")
+    elif q.kind in GGUF_BLOCKS and inp % GGUF_BLOCKS[q.kind][0]:
+        raise LoracError(f"tensor {name}: {q.kind} needs rows of whole {GGUF_BLOCKS[q.kind][0]}-value blocks, "
+                         f"not {inp}")
+
+
+def nf4_blocks(q: Quant, out: int, inp: int) -> tuple[int, int]:
+    """(absmax blocks, blocks of the nested absmax scale) of an nf4 weight."""
+    n = out * inp // q.block
+    return n, -(-n // NESTED)
+
+
+def quant_inputs(q: Quant, name: str, out: int, inp: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """The graph inputs (name, shape, numpy dtype name) of weight `name` ([out, in]) quantized as q."""
+    check_shape(q, name, out, inp)
+    if q.kind == "int8":
+        return [(f"{name}.int8", (out, inp), "int8"), (f"{name}.int8_scale", (out,), "float32")]
+    if q.kind in GGUF_BLOCKS:
+        qk, nbytes = GGUF_BLOCKS[q.kind]
+        return [(f"{name}.{q.kind}", (out, inp // qk * nbytes), "uint8")]
+    nb, ns = nf4_blocks(q, out, inp)
+    head = [(f"{name}.nf4", (out, inp // 2), "uint8"), (f"{name}.nf4_code", (16,), "float32")]
+    if not q.double:
+        return head + [(f"{name}.absmax", (nb,), "float32")]
+    return head + [(f"{name}.absmax_q", (nb,), "uint8"), (f"{name}.absmax_code", (256,), "float32"),
+                   (f"{name}.absmax_scale", (ns,), "float32"), (f"{name}.absmax_offset", (1,), "float32")]
+
+
+class QuantWeight:
+    """A quantized weight's declared graph inputs; `dense(g)` is its fp32 [out, in] value."""
+
+    def __init__(self, q: Quant, name: str, out: int, inp: int, values: dict):
+        self.q, self.name, self.out, self.inp = q, name, out, inp
+        self.values = values  # input suffix ("nf4", "absmax", "Q4_K", ...) -> graph value
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out, self.inp
+
+    def dense(self, g):
+        """Emit the dequantization (fresh nodes on every call) -> an fp32 value [out, in]
+        (cast, exactly, to the graph's float type where that is float64: gradient checks)."""
+        v = self.values
+        if self.q.kind == "nf4":
+            w = nf4_dense(g, self.q, v, self.out, self.inp)
+        elif self.q.kind == "int8":
+            w = g.op("Mul", g.op("Cast", v["int8"], to=F32), g.op("Unsqueeze", v["int8_scale"], g.ints(1)))
+        else:
+            b = blocks(g, v[self.q.kind], self.q.kind, self.out, self.inp)
+            w = GGUF_EMITTERS[self.q.kind](g, b, self.out, self.inp)
+        return w if g.float == F32 else g.op("Cast", w, to=g.float)
+
+
+def declare(g, q: Quant, name: str, out: int, inp: int) -> QuantWeight:
+    values = {}
+    for key, shape, dtype in quant_inputs(q, name, out, inp):
+        values[key[len(name) + 1:]] = g.input(key, list(shape), ir.DataType.from_numpy(np.dtype(dtype)))
+    return QuantWeight(q, name, out, inp, values)
+
+
+def detect(arrays: dict) -> dict[str, Quant]:
+    """Weight name -> Quant, from the suffixed keys in `arrays` (a frozen-weights dict)."""
+    found = {}
+    for key in arrays:
+        stem, _, suffix = key.rpartition(".")
+        if suffix == "int8":
+            _need(arrays, stem, ("int8_scale",))
+            found[stem] = Quant("int8")
+        elif suffix in GGUF_BLOCKS:
+            found[stem] = Quant(suffix)
+        elif suffix == "nf4":
+            _need(arrays, stem, ("nf4_code",))
+            double = f"{stem}.absmax_q" in arrays
+            _need(arrays, stem, NF4_DOUBLE if double else ("absmax",))
+            n_blocks = np.size(arrays[f"{stem}.absmax_q" if double else f"{stem}.absmax"])
+            values = 2 * np.size(arrays[key])
+            if not n_blocks or values % n_blocks:
+                raise LoracError(f"tensor {stem}: {n_blocks} absmax blocks do not divide its {values} nf4 values")
+            found[stem] = Quant("nf4", values // n_blocks, double)
+    return found
+
+
+def _need(arrays, stem, suffixes):
+    for s in suffixes:
+        if f"{stem}.{s}" not in arrays:
+            raise LoracError(f"tensor {stem}: quantized, but {stem}.{s} is missing")
+
+
+# ------------------------------------------------------------------ nf4
+
+def nf4_dense(g, q: Quant, v: dict, out: int, inp: int):
+    nb, ns = nf4_blocks(q, out, inp)
+    # code pairs of every byte value: [256, 2] = code[b >> 4], code[b & 15]
+    pairs = g.op("Gather", v["nf4_code"], g.const(np.stack([np.arange(256) >> 4, np.arange(256) & 15], 1).astype(np.int32)))
+    codes = g.op("Gather", pairs, g.op("Cast", v["nf4"], to=I32))  # [out, in/2, 2]
+    if q.double:
+        scale = g.op("Expand", g.op("Unsqueeze", v["absmax_scale"], g.ints(1)), g.ints(ns, NESTED))
+        scale = g.reshape(scale, ns * NESTED)
+        if ns * NESTED != nb:
+            scale = g.slice(scale, 0, nb, 0)
+        nested = g.op("Gather", v["absmax_code"], g.op("Cast", v["absmax_q"], to=I32))
+        # the product kept (a kernel boundary), so no compiler fuses it with the add into an FMA:
+        # bitsandbytes rounds both (dequantize_blockwise, then += offset)
+        absmax = g.op("Add", g.kept(g.op("Mul", nested, scale)), v["absmax_offset"])
+    else:
+        absmax = v["absmax"]
+    w = g.op("Mul", g.reshape(codes, nb, q.block), g.op("Unsqueeze", absmax, g.ints(1)))
+    return g.reshape(w, out, inp)
+
+
+# ------------------------------------------------------------------ GGUF blocks
+
+def blocks(g, raw, kind: str, out: int, inp: int):
+    """The [out, in/QK*bytes] input as [n_blocks, bytes]."""
+    qk, nbytes = GGUF_BLOCKS[kind]
+    return g.reshape(raw, out * inp // qk, nbytes)
+
+
+def _cols(g, b, start: int, end: int):
+    return g.slice(b, start, end, 1)
+
+
+def _shr(g, x, k):
+    """x >> k of uint8 x; k an int or an array broadcasting against x."""
+    return g.op("BitShift", x, g.const(np.asarray(k, dtype=np.uint8)), direction="RIGHT")
+
+
+def _shl(g, x, k: int):
+    return g.op("BitShift", x, g.const(np.uint8(k)), direction="LEFT")
+
+
+def _and(g, x, mask: int):
+    return g.op("BitwiseAnd", x, g.const(np.uint8(mask)))
+
+
+def _float(g, x):
+    return g.op("Cast", x, to=F32)
+
+
+def _signed(g, x):
+    """uint8 bytes read as int8, as float32 (exact: u - 256 where u >= 128)."""
+    return g.op("Sub", _float(g, x), g.op("Mul", _float(g, _shr(g, x, 7)), g.const(np.float32(256))))
+
+
+# fp16 from (low byte, high byte): the high byte's top six bits (sign, exponent) index the
+# power of two 2^(max(e,1) - 25) with its sign, and the implicit leading bit (1024 for e > 0)
+_TOP = np.arange(64)
+_F16_SCALE = (np.where(_TOP >= 32, -1.0, 1.0) * np.where(_TOP % 32 == 31, np.inf, 2.0 ** (np.maximum(_TOP % 32, 1) - 25))).astype(np.float32)
+_F16_LEAD = np.where(_TOP % 32 > 0, 1024.0, 0.0).astype(np.float32)
+
+
+def f16(g, b, at: int):
+    """The little-endian fp16 at byte `at` of every block of b [n, bytes], as float32 [n, 1]."""
+    lo, hi = _cols(g, b, at, at + 1), _cols(g, b, at + 1, at + 2)
+    top = g.op("Cast", _shr(g, hi, 2), to=I32)
+    mant = g.op("Add", g.op("Mul", _float(g, _and(g, hi, 3)), g.const(np.float32(256))), _float(g, lo))
+    mant = g.op("Add", mant, g.op("Gather", g.const(_F16_LEAD), top))
+    return g.op("Mul", mant, g.op("Gather", g.const(_F16_SCALE), top))
+
+
+def _nibbles(g, qs, shape):
+    """Packed bytes viewed as `shape` (its axis -2 of length 1) -> low nibbles, then high ones, on axis -2."""
+    x = g.reshape(qs, *shape)
+    return g.op("Concat", _and(g, x, 0x0F), _shr(g, x, 4), axis=-2)
+
+
+def q8_0(g, b, out, inp):
+    return g.reshape(g.op("Mul", _signed(g, _cols(g, b, 2, 34)), f16(g, b, 0)), out, inp)
+
+
+def q4_0(g, b, out, inp):
+    q = g.op("Sub", _float(g, _nibbles(g, _cols(g, b, 2, 18), (-1, 1, 16))), g.const(np.float32(8)))
+    return g.reshape(g.op("Mul", f16(g, b, 0), g.reshape(q, -1, 32)), out, inp)
+
+
+def q4_1(g, b, out, inp):
+    q = g.reshape(_float(g, _nibbles(g, _cols(g, b, 4, 20), (-1, 1, 16))), -1, 32)
+    return g.reshape(g.op("Add", g.op("Mul", f16(g, b, 0), q), f16(g, b, 2)), out, inp)
+
+
+def _scale_min(g, b):
+    """Q4_K/Q5_K's eight 6-bit scales and mins of each block, from its 12 bytes at 4..16."""
+    d, m, md = _cols(g, b, 4, 8), _cols(g, b, 8, 12), _cols(g, b, 12, 16)
+    sc = g.op("Concat", _and(g, d, 0x3F), g.op("BitwiseOr", _and(g, md, 0x0F), _and(g, _shr(g, d, 2), 0x30)), axis=1)
+    mn = g.op("Concat", _and(g, m, 0x3F), g.op("BitwiseOr", _shr(g, md, 4), _and(g, _shr(g, m, 2), 0x30)), axis=1)
+    return _float(g, sc), _float(g, mn)
+
+
+def _kquant(g, b, q, out, inp):
+    """d * sc * q - dmin * m over eight sub-blocks of 32 (q [n, 8, 32] float)."""
+    sc, mn = _scale_min(g, b)
+    d = g.op("Unsqueeze", g.op("Mul", f16(g, b, 0), sc), g.ints(2))
+    dm = g.op("Unsqueeze", g.op("Mul", f16(g, b, 2), mn), g.ints(2))
+    return g.reshape(g.op("Sub", g.op("Mul", d, q), dm), out, inp)
+
+
+def q4_k(g, b, out, inp):
+    q = g.reshape(_nibbles(g, _cols(g, b, 16, 144), (-1, 4, 1, 32)), -1, 8, 32)
+    return _kquant(g, b, _float(g, q), out, inp)
+
+
+def q5_k(g, b, out, inp):
+    ql = g.reshape(_nibbles(g, _cols(g, b, 48, 176), (-1, 4, 1, 32)), -1, 8, 32)
+    qh = _and(g, _shr(g, g.reshape(_cols(g, b, 16, 48), -1, 1, 32), np.arange(8).reshape(1, 8, 1)), 0x01)
+    return _kquant(g, b, _float(g, g.op("BitwiseOr", ql, _shl(g, qh, 4))), out, inp)
+
+
+def q6_k(g, b, out, inp):
+    ql = g.reshape(_nibbles(g, _cols(g, b, 0, 128), (-1, 2, 1, 64)), -1, 8, 32)
+    qh = _shr(g, g.reshape(_cols(g, b, 128, 192), -1, 2, 1, 32), np.array([0, 2, 4, 6]).reshape(1, 1, 4, 1))
+    qh = g.reshape(_and(g, qh, 0x03), -1, 8, 32)
+    q = g.op("Sub", _float(g, g.op("BitwiseOr", ql, _shl(g, qh, 4))), g.const(np.float32(32)))
+    d = g.op("Unsqueeze", g.op("Mul", f16(g, b, 208), _signed(g, _cols(g, b, 192, 208))), g.ints(2))
+    return g.reshape(g.op("Mul", d, g.reshape(q, -1, 16, 16)), out, inp)
+
+
+GGUF_EMITTERS = {"Q4_0": q4_0, "Q4_1": q4_1, "Q8_0": q8_0, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}

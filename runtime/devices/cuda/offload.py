@@ -1,0 +1,152 @@
+"""Activation offload on CUDA: checkpointed layers' kept inputs wait in pinned host memory.
+
+The compiler maps the graph's Offload / Fetch units (graphs/offload.py) to two functions a
+slot (a layer), registered here when the artifact loads (compiler/units/offload.py):
+
+    lorac.offload.<slot>(x, token)   x -> device staging (a copy on TVM's stream), then staging ->
+                                     the slot's pinned host buffer on a side stream: x's memory is
+                                     free for the plan at once, the PCIe copy overlaps the forward
+    lorac.fetch.<slot>(token, out)   the slot's host buffer -> device staging on the side stream
+                                     (issued one fetch ahead: the next slot's copy overlaps this
+                                     layer's backward), then staging -> out on TVM's stream
+
+Staging is two device buffers each way, used by slots in turn; an event per buffer orders its
+reuse after the copy that reads it. Every decision (which buffer, whether to wait) depends only
+on a slot's place in the step's order (offloads ascending, fetches descending), so a CUDA graph
+captured on the first step replays it exactly; the side stream forks from TVM's stream with an
+event and joins it again at each fetch, as capture requires. Pinned buffers, staging and events
+are made when the artifact loads, before any capture.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from ...errors import LoracError
+
+OFFLOAD, FETCH = "lorac.offload", "lorac.fetch"
+_D2D, _D2H, _H2D = 3, 2, 1  # cudaMemcpyKind
+_NO_TIMING = 2  # cudaEventDisableTiming
+
+_rt = None
+_get_stream = None
+_state: dict = {}  # slot -> {"host": ptr, "bytes": n}; "order": ascending slots; "side": stream; ...
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise LoracError(f"activation offload: {what} failed (CUDA error {status})")
+
+
+def _init() -> None:
+    global _rt, _get_stream
+    if _rt is not None:
+        return
+    from .cublas import load_library
+    rt = load_library("libcudart")
+    p, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    rt.cudaMemcpyAsync.argtypes = [p, p, sz, i, p]
+    rt.cudaHostAlloc.argtypes = [ctypes.POINTER(p), sz, ctypes.c_uint]
+    rt.cudaMalloc.argtypes = [ctypes.POINTER(p), sz]
+    rt.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(p), ctypes.c_uint]
+    rt.cudaEventRecord.argtypes = [p, p]
+    rt.cudaStreamWaitEvent.argtypes = [p, p, ctypes.c_uint]
+    rt.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(p), ctypes.c_uint]
+    import tvm_ffi
+    _get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
+    _get_stream.restype, _get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
+    _rt = rt
+
+
+def _event():
+    e = ctypes.c_void_p()
+    _check(_rt.cudaEventCreateWithFlags(ctypes.byref(e), _NO_TIMING), "cudaEventCreate")
+    return e
+
+
+def _alloc(nbytes: int, host: bool) -> int:
+    ptr = ctypes.c_void_p()
+    if host:  # pinned, so the copies run asynchronously at full PCIe speed
+        _check(_rt.cudaHostAlloc(ctypes.byref(ptr), nbytes, 0), f"cudaHostAlloc of {nbytes / 1e9:.2f} GB")
+    else:
+        _check(_rt.cudaMalloc(ctypes.byref(ptr), nbytes), f"cudaMalloc of {nbytes / 1e9:.2f} GB")
+    return ptr.value
+
+
+def prepare(manifest) -> None:
+    """Pinned host buffers per slot, staging, events, the side stream; the functions registered."""
+    import tvm_ffi
+
+    calls = [c for c in manifest.unit_calls if c.get("function") == OFFLOAD]
+    if not calls:
+        return
+    _init()
+    itemsize = {"bfloat16": 2, "float32": 4}
+    need = {}
+    for c in calls:
+        need[int(c["slot"])] = itemsize[c["dtype"]] * int(_prod(c["shape"]))
+    biggest = max(need.values())
+    if _state.get("staging_bytes", 0) < biggest:
+        side = ctypes.c_void_p()
+        _check(_rt.cudaStreamCreateWithFlags(ctypes.byref(side), 1), "cudaStreamCreate")  # non-blocking
+        _state.update(side=side, staging_bytes=biggest,
+                      out=[_alloc(biggest, False) for _ in range(2)], back=[_alloc(biggest, False) for _ in range(2)],
+                      out_done=[_event() for _ in range(2)], out_ready=[_event() for _ in range(2)],
+                      back_done=[_event() for _ in range(2)], back_ready=[_event() for _ in range(2)])
+    for slot, nbytes in need.items():
+        old = _state.get(slot)
+        if old is None or old["bytes"] < nbytes:
+            _state[slot] = {"host": _alloc(nbytes, True), "bytes": nbytes}
+        tvm_ffi.register_global_func(f"{OFFLOAD}.{slot}", _offloader(slot), override=True)
+        tvm_ffi.register_global_func(f"{FETCH}.{slot}", _fetcher(slot), override=True)
+    _state["order"] = sorted(need)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _copy(dst: int, src: int, nbytes: int, kind: int, stream) -> None:
+    _check(_rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
+
+
+def _offloader(slot: int):
+    def offload(x, token) -> None:
+        s, order = _state, _state["order"]
+        pos, nbytes = order.index(slot), s[slot]["bytes"]
+        main, side, k = _get_stream(2, x.device.index), s["side"], order.index(slot) % 2
+        if pos >= 2:  # this staging buffer's last D2H (two slots ago, this step) must be done
+            _check(_rt.cudaStreamWaitEvent(main, s["out_done"][k], 0), "cudaStreamWaitEvent")
+        _copy(s["out"][k], x.data_ptr(), nbytes, _D2D, main)
+        _check(_rt.cudaEventRecord(s["out_ready"][k], main), "cudaEventRecord")
+        _check(_rt.cudaStreamWaitEvent(side, s["out_ready"][k], 0), "cudaStreamWaitEvent")
+        _copy(s[slot]["host"], s["out"][k], nbytes, _D2H, side)
+        _check(_rt.cudaEventRecord(s["out_done"][k], side), "cudaEventRecord")
+    return offload
+
+
+def _start_fetch(slot: int, k: int, main) -> None:
+    """Host -> staging `k` for `slot` on the side stream, after staging k's last reader."""
+    s = _state
+    _check(_rt.cudaEventRecord(s["back_done"][k], main), "cudaEventRecord")
+    _check(_rt.cudaStreamWaitEvent(s["side"], s["back_done"][k], 0), "cudaStreamWaitEvent")
+    _copy(s["back"][k], s[slot]["host"], s[slot]["bytes"], _H2D, s["side"])
+    _check(_rt.cudaEventRecord(s["back_ready"][k], s["side"]), "cudaEventRecord")
+
+
+def _fetcher(slot: int):
+    def fetch(token, out) -> None:
+        s = _state
+        order = s["order"][::-1]  # the backward fetches from the top layer down
+        pos = order.index(slot)
+        main = _get_stream(2, out.device.index)
+        if pos == 0:  # the first fetch of the step starts its own copy (its D2H joined in order on the side stream)
+            _start_fetch(slot, 0, main)
+        if pos + 1 < len(order):  # the next layer's copy runs while this one is recomputed
+            _start_fetch(order[pos + 1], (pos + 1) % 2, main)
+        k = pos % 2
+        _check(_rt.cudaStreamWaitEvent(main, s["back_ready"][k], 0), "cudaStreamWaitEvent")
+        _copy(out.data_ptr(), s["back"][k], s[slot]["bytes"], _D2D, main)
+    return fetch
