@@ -65,8 +65,8 @@ def inputs(manifest: dict) -> dict:
             if suffix in ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"):  # keep the fp16 scales finite
                 out[name] = _finite_gguf(out[name], suffix)
         elif suffix == "nf4_code":
-            from lorac.runtime.model.quant.nf4 import NF4
-            out[name] = np.asarray(NF4, np.float32).reshape(shape)
+            from lorac.runtime.model.quant.nf4 import NF4_CODE
+            out[name] = np.asarray(NF4_CODE, np.float32).reshape(shape)
         elif suffix == "absmax_code":
             out[name] = np.sort((u * 2 - 1).astype(np.float32)).reshape(shape)
         elif suffix == "absmax_offset":

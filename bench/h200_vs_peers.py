@@ -209,7 +209,7 @@ def random_quant_input(name: str, shape, dtype: str, rng) -> np.ndarray:
     if dtype in ("uint8", "int8"):  # codes and blocks: random bytes
         return rng.integers(0, 256, int(np.prod(shape)), dtype=np.uint8).view(dtype).reshape(shape)
     if suffix == "nf4_code":
-        from lorac.graphs.quant import NF4_CODE
+        from lorac.runtime.model.quant.nf4 import NF4_CODE
         return np.asarray(NF4_CODE, np.float32).reshape(shape)
     fill = {"absmax": 0.02, "absmax_code": None, "absmax_scale": 0.02, "absmax_offset": 0.01, "int8_scale": 0.02 / 127}
     if suffix == "absmax_code":

@@ -22,7 +22,7 @@ the CUDA build inlines (cuDNN's SDPA is not asked for them; docs/COMPILER.md):
   mask), applied only when the window is shorter than the sequence.
 
 Packed rows (`--packing isolated`, docs/DATA.md): the packed units ("Packed" before the
-name) take the rows' position ids pos [B, S] (int64) before the scale, numbered 0, 1, ...
+name) take the rows' position ids pos [B, S] (int64 or int32; the mask is computed in int32) before the scale, numbered 0, 1, ...
 from each document's start as HF's padding-free collator does. A query at index i with
 position p = pos[b, i] began its document at index i - p, so it sees exactly the keys j
 with i - p <= j <= i: causal AND same document (a block-diagonal causal mask), with no
@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from .builder import INT32
 
 MASKED = -1e30  # finite: exp underflows to exactly 0, and no inf-inf NaNs in any dtype
 
@@ -77,7 +79,7 @@ class AttentionSaved:
 
 
 def attention_forward(g, q, k, v, dims, scale: float | None = None, mask: Mask = Mask(), positions=None):
-    """(o [B, S, H, Dh], saved for the backward). `positions` [B, S] int64: packed rows, each
+    """(o [B, S, H, Dh], saved for the backward). `positions` [B, S] (integers): packed rows, each
     query attends only within its own document (the packed units)."""
     scale = dims[4] ** -0.5 if scale is None else scale
     c = g.f(scale)
@@ -127,14 +129,15 @@ def _masked_scores(fb, q, k, scale, dims, mask: Mask, positions=None):
     if mask.softcap:  # s <- c tanh(s / c), as HF's eager attention does before the mask
         t = fb.op("Tanh", fb.op("Mul", s, fb.f(1.0 / mask.softcap)))
         s = fb.op("Mul", t, fb.f(mask.softcap))
-    pos = fb.op("Range", fb.const(np.int64(0)), fb.const(np.int64(S)), fb.const(np.int64(1)))
+    pos = fb.op("Range", fb.const(np.int32(0)), fb.const(np.int32(S)), fb.const(np.int32(1)))  # int32, as positions
     j, i = fb.op("Unsqueeze", pos, fb.ints(0)), fb.op("Unsqueeze", pos, fb.ints(1))
     seen = fb.op("LessOrEqual", j, i)
     if mask.windowed(S):
-        seen = fb.op("And", seen, fb.op("Greater", j, fb.op("Sub", i, fb.const(np.int64(mask.window)))))
+        seen = fb.op("And", seen, fb.op("Greater", j, fb.op("Sub", i, fb.const(np.int32(mask.window)))))
     if positions is not None:  # i - j <= positions[b, i]: the key lies in the query's document; [B, 1, 1, S, S]
         back = fb.op("Sub", i, j)
-        seen = fb.op("And", seen, fb.op("LessOrEqual", back, fb.op("Unsqueeze", positions, fb.ints(1, 2, 4))))
+        pos32 = fb.op("Cast", positions, to=INT32)  # int32 mask math: WebGPU has no 64-bit integers
+        seen = fb.op("And", seen, fb.op("LessOrEqual", back, fb.op("Unsqueeze", pos32, fb.ints(1, 2, 4))))
     return fb.op("Where", seen, s, fb.f(MASKED)), t
 
 

@@ -19,6 +19,7 @@ DOMAIN = "lorac"  # the domain of lorac's units (local functions); version 1
 
 FLOAT = ir.DataType.FLOAT
 INT64 = ir.DataType.INT64
+INT32 = ir.DataType.INT32  # index math WebGPU can run (it has no 64-bit integers)
 BOOL = ir.DataType.BOOL
 
 

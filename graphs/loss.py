@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from .builder import INT32
+
 IGNORE = -100
 
 
 def shifted_targets(g, labels, batch: int, seq: int):
-    """-> (targets [N, 1] with ignored ones replaced by 0, weight [N, 1] = counted / n_counted)."""
+    """-> (targets [N, 1] int32 with ignored ones replaced by 0, weight [N, 1] = counted / n_counted).
+    The shift runs in int32 (token ids < 2^31): WebGPU has no 64-bit integers, and
+    onnxruntime's WebGPU EP ran these nodes on the CPU in int64."""
     n = batch * seq
-    nxt = g.slice(labels, 1, seq, 1)
-    t = g.reshape(g.op("Concat", nxt, g.const(np.full((batch, 1), IGNORE, np.int64)), axis=1), n, 1)
-    valid = g.op("Not", g.op("Equal", t, g.const(np.int64(IGNORE))))
-    safe = g.op("Where", valid, t, g.const(np.int64(0)))
+    nxt = g.slice(g.op("Cast", labels, to=INT32), 1, seq, 1)
+    t = g.reshape(g.op("Concat", nxt, g.const(np.full((batch, 1), IGNORE, np.int32)), axis=1), n, 1)
+    valid = g.op("Not", g.op("Equal", t, g.const(np.int32(IGNORE))))
+    safe = g.op("Where", valid, t, g.const(np.int32(0)))
     validf = g.op("Cast", valid, to=g.float)
     # count >= 1 so an all-ignored batch gives loss 0 and zero gradients, not NaN
     count = g.op("Max", g.reduce_sum(validf, 0, 1), g.f(1.0))

@@ -77,14 +77,16 @@ class TrainConfig:
     grad_accum: int = setting(1, "micro-batches per optimizer step")
     target: str = setting(CPU, f"where to train: {', '.join(devices.targets())} (runtime/devices/; docs/TARGETS.md: "
                           "a target whose runtime this machine lacks is refused at once, and --compile-only builds "
-                          "for any)")
+                          "for any; webgpu trains through onnxruntime's WebGPU plugin, --backend ort: pip install "
+                          "'lorac[webgpu]')")
     dtype: str | None = setting(None, "float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda; --backend "
                                 "ort: float32)")
     backend: str = setting("tvm", "tvm (compiled artifacts) or ort (the same graphs on onnxruntime: pip install "
                            "'lorac[ort]')")  # "ort": runtime/engine/ort.py
     ort_providers: str | None = setting(
         None, "--backend ort: comma-separated onnxruntime execution providers, e.g. "
-        "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu (default: cpu's or cuda's, by --target)")
+        "CUDAExecutionProvider,CPUExecutionProvider or cuda,cpu, or webgpu (the same as --target webgpu) "
+        "(default: cpu's, cuda's or webgpu's, by --target)")
     # "auto": the fastest setting whose estimated memory fits the GPU (runtime/train/memory.py);
     # a bare --checkpointing means on, as when the flag was a switch
     checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, "
@@ -97,7 +99,7 @@ class TrainConfig:
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
                                           "(default: the GPU's free memory less a reserve)", type=float)
     loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
-                              "logits fit 1.5 GiB)")
+                              "logits fit 1.5 GiB, on webgpu 512 MiB)")
     scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
                               "graphs/mamba.py DEVICE_CHUNK)")
     eval_every: int = setting(10, "steps between evals")
@@ -202,10 +204,19 @@ class TrainConfig:
         cannot train on is one line here (runtime/devices/), not an error deep inside TVM."""
         if self.backend not in ("tvm", "ort"):
             raise LoracError(f"--backend must be tvm or ort, got {self.backend!r}")
-        devices.for_target(self.target)  # an unknown target: one line naming the known ones
+        device = devices.for_target(self.target)  # an unknown target: one line naming the known ones
+        # a device that trains through onnxruntime only (webgpu: its plugin; TVM's webgpu artifacts
+        # run in browsers): --target webgpu is short for --backend ort --ort-providers webgpu, and
+        # the reverse
+        if device.TRAINS_ON and not self.compile_only:
+            self.backend = device.TRAINS_ON
+        elif self.backend == "ort" and self.target == CPU and devices.named_by_providers(self.ort_providers):
+            device = devices.named_by_providers(self.ort_providers)
+            self.target = device.TARGETS[0]
         if self.backend == "ort":
             if self.compile_only:
                 raise LoracError("--compile-only fills the TVM artifact cache; --backend ort compiles nothing ahead")
+            device.check_ort()  # webgpu: the plugin and an adapter, or one line now
         elif self.ort_providers:
             raise LoracError("--ort-providers is for --backend ort")
         elif not self.compile_only:

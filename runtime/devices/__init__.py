@@ -52,6 +52,11 @@ optional (a module without one gets the default in OPTIONAL below):
     ORT_PROVIDERS, ORT_MEMORY
                    `--backend ort`: the execution providers used by default and the
                    onnxruntime device the IO-bound buffers live on (runtime/engine/ort.py)
+    TRAINS_ON      the backend `lorac train` uses there whatever --backend says ("ort":
+                   webgpu, through onnxruntime's plugin), or None; such a device is also
+                   the target of `--backend ort --ort-providers <its provider>`
+    check_ort()    one LoracError line now when `--backend ort` cannot run there (webgpu:
+                   the plugin and an adapter)
 Importing a device module imports neither TVM nor any device library.
 """
 from __future__ import annotations
@@ -73,7 +78,8 @@ OPTIONAL = {
     "AUTO_CHECKPOINTING": False, "LOSS_CHUNK_BYTES": None, "FUSED_ATTENTION": False,
     "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
     "OFFLOADS": False,
-    "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host",
+    "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host", "TRAINS_ON": None,
+    "check_ort": _nothing,
 }
 
 
@@ -112,6 +118,14 @@ def for_target(target: str):
         if target in d.TARGETS:
             return d
     raise LoracError(f"unknown target {target!r}: choose one of {', '.join(targets())}")
+
+
+def named_by_providers(providers: str | None):
+    """The device that trains through onnxruntime only (TRAINS_ON "ort") whose own provider
+    --ort-providers names ("webgpu", "WebGpuExecutionProvider"), or None."""
+    short = lambda p: p.strip().lower().removesuffix("executionprovider")  # noqa: E731
+    asked = {short(p) for p in (providers or "").split(",")}
+    return next((d for d in _modules() if d.TRAINS_ON == "ort" and short(d.ORT_PROVIDERS[0]) in asked), None)
 
 
 def tuned_targets() -> tuple[str, ...]:

@@ -75,6 +75,8 @@ class Graphs:
         self.cache_dir, self.log = Path(cache_dir), log or (lambda msg: print(msg, file=sys.stderr))
         self.names = lora_tensor_names(spec, train)
         self.shapes = {n: _lora_shape(spec, train, n) for n in self.names}
+        from lorac.graphs.optimizer import buckets
+        self._buckets = buckets(self.shapes)  # the optimizer's flat buckets (graphs/optimizer.Bucket)
         self.optim_cfg = optim_cfg
         # what a checkpoint must match: the scan chunk length changes how the Mamba scan is
         # computed, not what, so a run may resume on a device whose default length differs; nor
@@ -86,7 +88,17 @@ class Graphs:
 
     def _recipe(self, kind: str):
         """(emit function, key parts, dtype) of graph `kind`: "train", "eval", "adamw" or
-        "forward:B,S" (the forward graph for ids of shape [B, S])."""
+        "forward:B,S" (the forward graph for ids of shape [B, S]). Every graph but the
+        optimizer's takes the LoRA tensors as the optimizer's flat buckets and writes its
+        gradients the same way (graphs/flat_lora.py): `<bucket>.param`, `<bucket>.grad`."""
+        from lorac.graphs.flat_lora import flat_lora_io
+        build, parts, dtype = self._per_tensor_recipe(kind)
+        if kind == "adamw":
+            return build, parts, dtype
+        return (lambda: flat_lora_io(build(), self.shapes)), (*parts, "flat-lora"), dtype
+
+    def _per_tensor_recipe(self, kind: str):
+        """_recipe's graphs as lorac.graphs emits them: one input and one gradient per LoRA tensor."""
         from lorac.graphs import build_eval_graph, build_forward_graph, build_training_graph
         from lorac.graphs.optimizer import build_optimizer_graph
         if kind in ("train", "eval"):
@@ -109,9 +121,27 @@ class Graphs:
         if missing:
             raise LoracError(f"model weights lack {len(missing)} tensor(s) the graph needs, e.g. {missing[0]}")
 
+    def _to_host(self, a) -> np.ndarray:
+        """A numpy copy of a device tensor (a numpy array as it is)."""
+        return a if isinstance(a, np.ndarray) else a.numpy()
+
     def host(self, tensors: dict) -> dict:
         """Numpy copies of a step's outputs (gradients summed over micro-batches on the host)."""
-        return {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in tensors.items()}
+        return {n: self._to_host(a) for n, a in tensors.items()}
+
+    def _flat(self, tensors: dict, suffix: str) -> dict:
+        """{"<bucket><suffix>": flat} from flat buckets as they are, or from per-tensor arrays
+        ("<name><suffix-less>" keys, numpy or device) packed on the host."""
+        from lorac.graphs.optimizer import pack
+        keys = [f"{b.key}{suffix}" for b in self._buckets]
+        if all(k in tensors for k in keys):
+            return {k: tensors[k] for k in keys}
+        plain = "" if suffix == ".param" else suffix  # per tensor: "<name>" and "<name>.grad"
+        per = {n: self._to_host(a) for n, a in ((n, tensors.get(n + plain)) for n in self.names) if a is not None}
+        if len(per) != len(self.names):
+            missing = next(n + plain for n in self.names if n not in per)
+            raise LoracError(f"LoRA tensors: {missing} is missing")
+        return {f"{k}{suffix}": x for k, x in pack(self._buckets, per).items()}
 
     # a backend's set_state keeps the LoRA+ AdamW state as flat per-bucket device buffers
     # (graphs/optimizer.Bucket): _buckets, _p, _m, _v (each {bucket key: tensor with .numpy()});
@@ -120,7 +150,7 @@ class Graphs:
     def state_numpy(self):
         """(lora, m, v) as per-tensor numpy arrays (checkpoints, export)."""
         from lorac.graphs.optimizer import unpack
-        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: t.numpy() for k, t in flats.items()}).items()}
+        get = lambda flats: {n: a.copy() for n, a in unpack(self._buckets, {k: self._to_host(t) for k, t in flats.items()}).items()}
         return get(self._p), get(self._m), get(self._v)
 
 

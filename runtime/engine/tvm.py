@@ -12,11 +12,11 @@ compiled once per (graph key, target, dtype): a second run, or a resumed one, re
 artifact from the cache folder without importing the compiler. A graph's key is a digest of
 everything it is emitted from, whole (graph_key: every field of the specs, the optimizer's
 baked constants, lorac's version and the source of core, graphs and compiler). Frozen
-weights are uploaded once and passed to every call as device tensors. The TVM engine's
-graphs take the LoRA tensors as the optimizer's flat buckets and write their gradients the
-same way (graphs/flat_lora.py): a step copies no tensor one by one. The onnxruntime backend
-(runtime/engine/ort.py) runs the per-tensor graphs behind the same methods (Graphs holds what
-both share).
+weights are uploaded once and passed to every call as device tensors. The graphs take the
+LoRA tensors as the optimizer's flat buckets and write their gradients the same way
+(graphs/flat_lora.py): a step copies no tensor one by one. The onnxruntime backend
+(runtime/engine/ort.py) runs the same graphs behind the same methods (Graphs holds what both
+share).
 """
 from __future__ import annotations
 
@@ -48,19 +48,9 @@ class Engine(Graphs):
         self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
         self._weights = None
         self._arts: dict = {}
-        from lorac.graphs.optimizer import buckets
-        self._buckets = buckets(self.shapes)
         self._p = None  # set_state: {bucket key: flat device tensor}, also _m, _v
         self._g = None  # data parallel only: the flat gradients the grad_reducer sums in place
         self._pushed: dict = {}  # id(bound-input step) -> the flat params last copied into its buffers
-
-    def _recipe(self, kind: str):
-        """The shared recipe with the LoRA tensors as flat buckets (graphs/flat_lora.py)."""
-        from lorac.graphs.flat_lora import flat_lora_io
-        build, parts, dtype = super()._recipe(kind)
-        if kind == "adamw":
-            return build, parts, dtype
-        return (lambda: flat_lora_io(build(), self.shapes)), (*parts, "flat-lora"), dtype
 
     def compile(self, kind: str) -> Path:
         """The artifact directory of graph `kind`, compiled into the cache if missing (no device needed)."""
@@ -104,21 +94,6 @@ class Engine(Graphs):
     def lora(self) -> dict:
         """The current LoRA tensors as the graphs take them: {"<bucket>.param": flat device tensor}."""
         return {f"{k}.param": t for k, t in self._p.items()}
-
-    def _flat(self, tensors: dict, suffix: str) -> dict:
-        """{"<bucket><suffix>": flat} from flat buckets as they are, or from per-tensor arrays
-        ("<name><suffix-less>" keys, numpy or device) packed on the host."""
-        from lorac.graphs.optimizer import pack
-        keys = [f"{b.key}{suffix}" for b in self._buckets]
-        if all(k in tensors for k in keys):
-            return {k: tensors[k] for k in keys}
-        plain = "" if suffix == ".param" else suffix  # per tensor: "<name>" and "<name>.grad"
-        per = {n: (a if isinstance(a, np.ndarray) else a.numpy()) for n, a in
-               ((n, tensors.get(n + plain)) for n in self.names) if a is not None}
-        if len(per) != len(self.names):
-            missing = next(n + plain for n in self.names if n not in per)
-            raise LoracError(f"LoRA tensors: {missing} is missing")
-        return {f"{k}{suffix}": x for k, x in pack(self._buckets, per).items()}
 
     def _feed(self, step, lora: dict) -> dict:
         """`lora` (self.lora, or per-tensor arrays) as `step` takes it: flat buckets. A step with

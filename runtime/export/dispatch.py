@@ -34,6 +34,15 @@ def cmd_export(args) -> int:
     if args.format == "peft":
         path = export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora, base_model_name_or_path=source.name,
                            num_hidden_layers=config.get("num_hidden_layers"), warn=lambda m: print(m, file=sys.stderr))
+    elif args.format == "merged" and source.path.is_dir() and _quantized_dir(source.path):
+        # a bitsandbytes NF4 base: its weights dequantized through lorac's reference (bit for bit
+        # bitsandbytes' dequantize_4bit), merged, written dense (no quantization_config)
+        config, weights, tok = source.load()
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        print(f"the base {source.path} is quantized (bitsandbytes NF4): merging into its dequantized weights",
+              file=sys.stderr)
+        path = export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora,
+                                     tokenizer=tok, dtype=args.dtype or "bfloat16")
     elif args.format == "merged" and source.path.is_dir():
         path = export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, dtype=args.dtype)
     elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory
@@ -50,6 +59,12 @@ def cmd_export(args) -> int:
     respect_umask(path)
     print(f"exported {args.format} to {path}")
     return 0
+
+
+def _quantized_dir(path) -> bool:
+    from ..model.quant import bnb_dir
+    from ..model.weights import read_config
+    return bnb_dir.is_bnb(read_config(path), path)
 
 
 def export_onnx_graph(args) -> int:
