@@ -55,9 +55,9 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
              adapter=None, saved=None, dp=None, log=None) -> Plan:
     """The Plan of `lorac train` (module doc). `frozen`: (dense frozen elements, bytes of
     quantized blocks), train/memory.frozen_sizes; `quant`: the weights held quantized
-    (TrainSpec.quant). `adapter`: the --adapter read (its settings
-    replace the flags it decides); `saved`: the --resume checkpoint's SavedRun; `dp`: the
-    data-parallel workers (dist.current()); `log` hears each choice and why."""
+    (TrainSpec.quant); `adapter`: the --adapter read (its settings replace the flags it
+    decides); `saved`: the --resume checkpoint's SavedRun; `dp`: the data-parallel workers
+    (dist.current()); `log` hears each choice and why."""
     from lorac.graphs.families import for_spec
     log = log or (lambda msg: None)
     device = devices.for_target(cfg.target)
