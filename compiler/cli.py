@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("graph", metavar="GRAPH.onnx", help="training graph written by lorac.graphs")
     p.add_argument("--target", required=True, choices=FAMILIES, help="where the artifact will run")
-    p.add_argument("--out", required=True, metavar="DIR", help="artifact directory (created or replaced)")
+    p.add_argument("--out", required=True, metavar="DIR", help="artifact directory (created, or replaced when it "
+                   "is empty or an artifact; any other folder is refused)")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="float32 (default), or bfloat16 frozen weights and GEMM inputs with "
                         "fp32 accumulation, LoRA tensors, loss and gradients (GPU targets)")
@@ -62,7 +63,7 @@ def compile_command(argv: list[str], note=None) -> int:
     """Run `lorac compile ARGV`; `note(target)`: why this machine cannot run the artifact, or
     None (the runtime's CLI passes its devices' answer: the compiler knows no devices)."""
     args = build_parser().parse_args(argv)
-    from lorac.core.artifact_cache import build_lock
+    from lorac.core.artifact_cache import build_lock, check_output_dir
     from lorac.core.errors import LoracError
 
     from .pipeline import FAMILIES, compile_graph, target_module
@@ -73,6 +74,7 @@ def compile_command(argv: list[str], note=None) -> int:
         return 2
     target = {"kind": args.target, "cuda_graph": True} if args.cuda_graph else args.target
     try:
+        check_output_dir(args.out)  # never over a folder lorac did not write
         with build_lock(args.out):  # one builder per artifact directory
             out = compile_graph(args.graph, target=target, out_dir=args.out, dtype=args.dtype,
                                 tune=args.tune, force=args.force, verbose=not args.quiet)

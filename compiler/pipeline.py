@@ -27,6 +27,7 @@ import pkgutil
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import onnx
 
+from lorac.core import atomic
 from lorac.core.constants import TARGET_ORDER
 from lorac.core.dtypes import COMPUTE_DTYPES
 from lorac.core.errors import LoracError
@@ -249,6 +251,7 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     if not force and mf.matches(mf.read(art_dir), key, art_dir):
         return art_dir
     tmod.check_environment(request)
+    _check_space(art_dir)
     if getattr(tmod, "ISOLATE_BUILD", False) and not os.environ.get(_ISOLATED):
         return _build_in_child(proto, request, art_dir, dtype, family)
     built = _build(proto, tmod, request, dtype, tune, art_dir)
@@ -258,6 +261,26 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
         print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
               f"{len(gemm['left_to_tvm'])} left to TVM; {manifest.compile_seconds} s -> {art_dir}")
     return art_dir
+
+
+MIN_FREE = 16 << 20  # bytes free needed where an artifact goes and in the temporary directory (its object files)
+
+
+def _check_space(art_dir: Path) -> None:
+    """Refuse a build up front where the disk is (nearly) full: LLVM aborts the whole process when
+    it cannot write an object file, and the linker's own complaint reached users as an empty
+    `Compilation error:`. (A build that still runs out of space is caught in _publish.)"""
+    for folder in (Path(art_dir).parent, Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            st = os.statvfs(folder)
+        except (OSError, AttributeError):  # no statvfs (Windows): the write itself will tell
+            continue
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE:
+            raise LoracError(f"cannot write the compiled artifact {art_dir}: no space left on device "
+                             f"({free / 2**20:.1f} MiB free in {folder}, {MIN_FREE >> 20} MiB needed at least); free "
+                             "space there or build elsewhere (--cache-dir, or lorac compile --out)")
 
 
 def _target_for(family: str, dtype: str):
@@ -329,6 +352,19 @@ def _publish(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Pa
     into each other's files. Returns the manifest."""
     t0 = time.perf_counter()
     stage = mf.staging_dir(art_dir)
+    try:
+        return _write_artifact(b, key, family, request, tmod, art_dir, stage, t0)
+    except Exception as e:  # the disk is full (the linker says so only in its output), or a tool failed
+        shutil.rmtree(stage, ignore_errors=True)
+        full = atomic.no_space(e, art_dir.parent, tempfile.gettempdir())
+        if full:
+            raise LoracError(f"cannot write the compiled artifact {art_dir}: {full}; free space there or build "
+                             "elsewhere (--cache-dir, or lorac compile --out)") from None
+        raise
+
+
+def _write_artifact(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Path, stage: Path,
+                    t0: float) -> dict:
     files = tmod.export(b.executable, stage, b.tvm_target)
     request_fields = {k for k in mf.BuildRequest.__dataclass_fields__}
     manifest = mf.Manifest(

@@ -52,6 +52,25 @@ def load_manifest(art_dir) -> tuple[Manifest, bytes | None]:
     return Manifest.from_json(raw), library
 
 
+def check_output_dir(art_dir) -> None:
+    """`lorac compile --out DIR` replaces DIR whole: only when it is absent, empty, or an
+    artifact already (its manifest.json, of any format version, is lorac's marker; a damaged
+    artifact is rebuilt). A folder of the user's, or a model, is refused in one line."""
+    p = Path(art_dir)
+    if p.is_symlink():
+        raise LoracError(f"--out {p} is a symbolic link; give the artifact directory itself")
+    if p.exists() and not p.is_dir():
+        raise LoracError(f"--out {p} is a file; an artifact is a directory")
+    first = next(iter(sorted(p.iterdir())), None) if p.is_dir() else None
+    if first is None:
+        return
+    try:
+        read_manifest(p)
+    except (LoracError, OSError):
+        raise LoracError(f"--out {p} holds {first.name} and is not a lorac artifact (no {MANIFEST} of one); "
+                         "compiling replaces the directory whole, so choose a new or empty one") from None
+
+
 def _named_files(m: dict) -> list:
     """File names the manifest points the runtime at: the library and path-like extras."""
     extra = m.get("extra") if isinstance(m.get("extra"), dict) else {}

@@ -4,10 +4,14 @@ leaves a stale lock behind; the lock file itself (holding the holder's pid) may 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import LoracError
 
 
 class Lock:
@@ -24,8 +28,17 @@ def acquire(path, wait: bool = True) -> Lock | None:
     """An exclusive lock on file `path` (created if needed): None when another process holds
     it and `wait` is false. The holder's pid is written into the file for messages."""
     path = Path(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link planted at the name: the pid below would overwrite its target
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LoracError(f"{path} is a symbolic link; lorac does not lock or write through links "
+                             "(remove it)") from None
+        raise
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # a FIFO, a device, another file's hard link
+            raise LoracError(f"{path} is not a plain file of its own; lorac keeps its lock there (remove it)")
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         os.close(fd)

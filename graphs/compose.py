@@ -59,7 +59,7 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     g.output(g.reshape(loss), "loss")
     for name in fam.lora_tensor_names(spec, train):
         g.output(grads[name], name + ".grad")
-    return g.finish(doc=fam.describe(spec, train, "training"), metadata=_metadata(fam))
+    return g.finish(doc=fam.describe(spec, train, "training"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 
 def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
@@ -67,7 +67,7 @@ def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     fam = family(spec)
     g, hN, head = _forward_only(fam, spec, train, dtype, "forward")
     g.output(g.reshape(logits_forward(g, hN, head, spec.logit_softcap), train.batch, train.seq, spec.vocab), "logits")
-    return g.finish(doc=fam.describe(spec, train, "forward"), metadata=_metadata(fam))
+    return g.finish(doc=fam.describe(spec, train, "forward"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 
 def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
@@ -77,10 +77,18 @@ def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     labels = g.input("labels", [train.batch, train.seq], INT64)
     g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk, spec.logit_softcap)),
              "loss")
-    return g.finish(doc=fam.describe(spec, train, "eval"), metadata=_metadata(fam))
+    return g.finish(doc=fam.describe(spec, train, "eval"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 
 RESIDUAL_KEY = "lorac.residual_dtype"  # graph metadata: "float32" where the stream must stay fp32
+
+
+def _data_prop(train) -> bool:
+    """ONNX shape inference's data propagation, which lorac's graphs never need (every shape is a
+    constant; the dense graphs come out the same without it), is off where weights are quantized:
+    it holds the long 1-D values of a dequantization as shapes (a Llama-3-8B layer's NF4 absmax:
+    ~6 GB and 14 s of shape inference a layer)."""
+    return not train.quant
 
 
 def _metadata(fam) -> dict:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import MISSING, fields
-from pathlib import Path
 
 from lorac.core.settings import help_of
 
@@ -83,7 +83,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.config:
         import tomllib
         try:
-            raw = tomllib.loads(Path(args.config).read_text())
+            from .files import open_regular
+            with open_regular(args.config, what="TOML config") as f:
+                raw = tomllib.loads(f.read())
             values = {_field(k): v for k, v in raw.items()}
             per_device = per_device or (args.batch is None and any(
                 "--" + k.replace("_", "-") == ALIASES["batch"] for k in raw))
@@ -237,8 +239,24 @@ def _dashes(arg: str) -> str:
     return name.replace("_", "-") + eq + value
 
 
+_NEGATIVE = re.compile(r"^-(\d|\.\d|inf$|nan$)", re.IGNORECASE)  # -1e-3, -5, -.5, -inf
+
+
+def _negative_values(argv: list[str]) -> list[str]:
+    """`--lr -1e-3` -> `--lr=-1e-3`: argparse takes a dash-led word for a flag (unless it looks like
+    a plain -5 or -0.5), so a negative value in exponent form was "expected one argument"; joined,
+    every value reaches the setting's own check, which names the flag."""
+    out = []
+    for a in argv:
+        if out and _NEGATIVE.match(a) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
-    argv = [_dashes(a) for a in (sys.argv[1:] if argv is None else argv)]
+    argv = _negative_values([_dashes(a) for a in (sys.argv[1:] if argv is None else argv)])
     if argv and argv[0] == "compile":
         return _guard(lambda: cmd_compile(argv[1:]))
     ap = build_parser()

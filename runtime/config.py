@@ -17,6 +17,12 @@ QUANTIZE = ("nf4", "int8")  # --quantize
 QUANTIZED_BASE = ("auto", "keep", "dequantize")  # --quantized-base
 
 CPU = "cpu"  # the default --target: every machine has one
+# Sane ranges: (low, high, low included). Wider values are finite but only make every update
+# non-finite (every step skipped) or throw the adapter away in one step: lr 1 already moves each
+# LoRA value by about 1 per step; the LoRA scale alpha/r of common recipes is 0.25-4, LoRA+'s
+# ratio at most 2^8 in its paper; AdamW's decoupled decay beyond 1 flips the weights' sign.
+BOUNDS = {"lr": (0.0, 1.0, False), "loraplus_ratio": (0.0, 1000.0, False), "weight_decay": (0.0, 1.0, True),
+          "alpha": (0.0, 1000.0, False)}
 CHECKPOINTING = ("auto", "on", "off", "offload")
 
 
@@ -50,7 +56,8 @@ class TrainConfig:
                             "and keep each example that fits within one row, padding the rest of a row; none: "
                             "documents run on across row ends (docs/DATA.md)")
     rank: int = setting(16, "LoRA rank r")
-    alpha: float = setting(32.0, "LoRA alpha (scale alpha/r)")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
+    alpha: float = setting(32.0, "LoRA alpha: the LoRA scale alpha/r (alpha/sqrt(r) with --rslora) must lie in "
+                           "(0, 1000]")  # s = alpha/r = 2, PEFT's common r=16/alpha=32 pairing
     rslora: bool = setting(False, "scale alpha/sqrt(r) (rsLoRA)")
     # None: every linear layer of the family (QLoRA/LoRA+ practice). Named lora_targets (as
     # TrainSpec's) so it is not one letter from `target`, the device; the flag stays --targets
@@ -105,8 +112,8 @@ class TrainConfig:
     eval_every: int = setting(10, "steps between evals")
     eval_batches: int = setting(4, "batches per eval (0: no eval)")
     save_every: int = setting(20, "steps between checkpoints")
-    keep_checkpoints: int = setting(2, "checkpoints kept")
-    seed: int = setting(0, "random seed (LoRA init and data order)")
+    keep_checkpoints: int = setting(2, "checkpoints kept (at least 1)")
+    seed: int = setting(0, "random seed (LoRA init and data order), an integer >= 0")
     resume: str | None = setting(None, "continue from a checkpoint directory (or OUT/checkpoints)")
     adapter: str | None = setting(None, "start from this PEFT adapter directory (its rank, alpha, targets and "
                                   "layers replace --rank, --alpha, --targets, --trained-layers)")
@@ -150,10 +157,19 @@ class TrainConfig:
                 raise LoracError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
         for key in ("lr", "alpha", "loraplus_ratio", "weight_decay", "max_grad_norm", "eval_fraction"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise LoracError(f"--{key.replace('_', '-')} must be a finite number, got {v!r}")
-        if self.lr <= 0 or self.alpha <= 0 or self.loraplus_ratio <= 0:
-            raise LoracError("--lr, --alpha and --loraplus-ratio must be > 0")
+        self.check_bounds()
+        for key in ("warmup", "loss_chunk", "sample_tokens", "seed"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise LoracError(f"--{key.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.keep_checkpoints, int) or isinstance(self.keep_checkpoints, bool) or self.keep_checkpoints < 1:
+            raise LoracError(f"--keep-checkpoints must be an integer >= 1 (the checkpoints kept; the one just "
+                             f"written always stays), got {self.keep_checkpoints!r}")
+        if self.lora_targets is not None and not [t for t in self.lora_targets if str(t).strip()]:
+            raise LoracError(f"--targets {','.join(self.lora_targets)!r} names no LoRA target (leave it out for every "
+                             "linear layer)")
         if not isinstance(self.scan_chunk, int) or isinstance(self.scan_chunk, bool) or self.scan_chunk < 0:
             raise LoracError(f"--scan-chunk must be an integer >= 0 (0: the device's default), got {self.scan_chunk!r}")
         if isinstance(self.checkpointing, bool):  # configs and checkpoints from when it was a switch
@@ -198,6 +214,18 @@ class TrainConfig:
         from .train.report import check_report_settings
         check_report_settings(self.progress, self.report_to)
         self.check_backend()
+
+    def check_bounds(self):
+        """The optimizer's and the LoRA's numbers within BOUNDS (a finite value far outside them
+        only makes every gradient non-finite and every step skipped: --alpha 1e30)."""
+        scale = self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank) if self.rank else self.alpha
+        for key, value in (("lr", self.lr), ("loraplus_ratio", self.loraplus_ratio),
+                           ("weight_decay", self.weight_decay), ("alpha", scale)):
+            lo, hi, closed = BOUNDS[key]
+            if not (lo <= value <= hi if closed else lo < value <= hi):
+                what = f"the LoRA scale --alpha/{'sqrt(r)' if self.rslora else 'r'} = {scale:g}" if key == "alpha" \
+                    else f"--{key.replace('_', '-')} {value:g}"
+                raise LoracError(f"{what} must lie in {'[' if closed else '('}{lo:g}, {hi:g}]")
 
     def check_backend(self):
         """--target, --backend and --ort-providers, before anything loads: a target this machine

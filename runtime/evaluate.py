@@ -26,6 +26,7 @@ def engine_for(args):
     checked = TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers)
     checked.check_backend()  # --target webgpu: --backend ort (config.py)
     args.target, args.backend = checked.target, checked.backend
+    check_positive(args, "batch", "seq")
     lora, saved = None, SavedRun()
     if args.checkpoint:
         ck = load_checkpoint(args.checkpoint, optimizer=False)  # the AdamW moments are not needed here
@@ -47,6 +48,16 @@ def engine_for(args):
     return eng, tok, lora, source, plan.cfg
 
 
+def check_positive(args, *names) -> None:
+    """Flags that default to the checkpoint's value: given, each must be a positive number (0
+    or -1 silently meant the default, or an eval over no rows)."""
+    from .errors import LoracError
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            raise LoracError(f"--{name} must be positive, got {v}")
+
+
 def cmd_eval(args) -> int:
     from .data import load_dataset
     from .train.report import dropped_rows_warning
@@ -61,16 +72,21 @@ def cmd_eval(args) -> int:
         n = float((b["labels"][:, 1:] != -100).sum())
         total += eng.eval_loss(b, lora) * n
         count += n
-    print(json.dumps({"eval_loss": total / max(count, 1.0), "tokens": int(count)}))
+    if not count:  # a loss over nothing is no 0.0
+        from .errors import LoracError
+        raise LoracError(f"{args.data}: no token of it counts in the loss at --seq {eng.train.seq}; nothing to evaluate")
+    print(json.dumps({"eval_loss": total / count, "tokens": int(count)}))
     return 0
 
 
 def cmd_generate(args) -> int:
     from .generate import check_sampling, generate, model_repetition_penalty, prompt_ids
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, args.repetition_penalty or 1.0)
+    given = args.repetition_penalty  # 0 is a value (refused), not "the model's"
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, 1.0 if given is None else given,
+                   seed=args.seed)
     eng, tok, lora, source, _ = engine_for(args)
     ids = prompt_ids(tok, args.prompt, chat=not args.raw)
-    penalty = args.repetition_penalty or model_repetition_penalty(source.path) or 1.0
+    penalty = given if given is not None else model_repetition_penalty(source.path) or 1.0
     new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,
                    penalty)
     print(tok.decode(new))

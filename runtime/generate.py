@@ -25,13 +25,15 @@ def model_repetition_penalty(model_path) -> float | None:
     """repetition_penalty from an HF model directory's generation_config.json, if it sets one."""
     import json
     import os
+
+    from .files import open_regular
     path = os.path.join(os.fspath(model_path), "generation_config.json")
     if not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
+        with open_regular(path, what="generation_config.json") as f:
             value = json.load(f).get("repetition_penalty")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
@@ -63,13 +65,20 @@ def sample_token(logits: np.ndarray, rng, temperature: float, top_p: float) -> i
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, window: int,
-                   repetition_penalty: float = 1.0) -> None:
-    if max_new_tokens < 1 or window < 2:
-        raise LoracError("max_new_tokens must be >= 1 and the window >= 2")
-    if not 0 < top_p <= 1 or not np.isfinite(temperature) or temperature < 0:
-        raise LoracError(f"top_p must lie in (0, 1] and temperature be >= 0, got {top_p}, {temperature}")
+                   repetition_penalty: float = 1.0, seed: int = 0) -> None:
+    """The sampling settings, each refused by its flag's name."""
+    if max_new_tokens < 1:
+        raise LoracError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if window < 2:
+        raise LoracError(f"--window must be >= 2, got {window}")
+    if not 0 < top_p <= 1:
+        raise LoracError(f"--top-p must lie in (0, 1], got {top_p}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise LoracError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
-        raise LoracError(f"repetition_penalty must be > 0 (1: none), got {repetition_penalty}")
+        raise LoracError(f"--repetition-penalty must be > 0 (1: none), got {repetition_penalty}")
+    if not isinstance(seed, int) or seed < 0:
+        raise LoracError(f"--seed must be an integer >= 0, got {seed}")
 
 
 def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -96,6 +105,8 @@ def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32
 
 def prompt_ids(tokenizer, text: str, chat: bool = True) -> np.ndarray:
     """Token ids of a user prompt, wrapped in the chat template where the model has one."""
+    from .data import valid_text
+    valid_text((text,), "the prompt")  # a command line's undecodable bytes arrive as lone surrogates
     if chat and tokenizer.chat_template:
         text = tokenizer.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
         return tokenizer.encode(text, add_bos=False)

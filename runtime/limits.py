@@ -61,6 +61,20 @@ def step_bytes_lower_bound(spec, train, n_weights: int, device, itemsize: int = 
     return packed_bytes + itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
 
 
+def check_plan(manifest, device, what: str) -> None:
+    """Once a graph is compiled, before its first call allocates it: its static memory plan
+    (the manifest's `memory.static_plan_bytes`, what TVM allocates for activations and
+    workspace) against what the device has free now (the weights are loaded already). The
+    lower bound of check_memory is far below a real plan (a 100000 x 32 step: 4 GiB bound,
+    27.7 GB planned), and past it TVM's allocation failed with a bare `std::bad_alloc`."""
+    plan = manifest.memory.get("static_plan_bytes")
+    have = device.memory_free()
+    if isinstance(plan, int) and have is not None and plan > have:
+        raise LoracError(f"the compiled {what} graph needs {plan / 2**30:.1f} GiB for its activations and workspace, "
+                         f"{device.MEMORY_OF} has {have / 2**30:.1f} GiB available; lower --batch or --seq (or use "
+                         "--checkpointing / --loss-chunk)")
+
+
 def check_memory(spec, train, n_weights: int, device, packed_bytes: int = 0) -> None:
     """Refuse a step whose lower-bound memory exceeds what `device` says is available (this
     machine's for the CPU, the GPU's when one is visible)."""

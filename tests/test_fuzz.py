@@ -17,6 +17,7 @@ import pytest
 from lorac.runtime.errors import LoracError
 
 SEED = 15
+pytestmark = pytest.mark.usefixtures("confined")  # nothing written outside each test's folder (conftest.py)
 MAX_PEAK = 64 << 20  # bytes of Python/numpy memory one case may allocate at its peak
 
 
@@ -222,10 +223,11 @@ def test_fuzz_model_config():
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.runtime.model.weights import check_weights, required_tensors
     rng = np.random.default_rng(SEED)
-    weights = {n: np.zeros(1, np.float32) for c in CONFIGS.values() for n in required_tensors(c)}
+    weights = {k: {n: np.zeros(1, np.float32) for n in required_tensors(c)} for k, c in CONFIGS.items()}
     seen = {"ok": 0, "error": 0}
     for case in range(120):
-        cfg = json.loads(json.dumps(pick(rng, list(CONFIGS.values()))))
+        kind = pick(rng, sorted(CONFIGS))
+        cfg = json.loads(json.dumps(CONFIGS[kind]))
         for _ in range(int(rng.integers(1, 4))):
             key = pick(rng, sorted(cfg) + ["sliding_window", "use_sliding_window", "layer_types", "rope_scaling",
                                           "hidden_act", "attention_bias", "ssm_cfg", "intermediate_size"])
@@ -235,7 +237,7 @@ def test_fuzz_model_config():
                 cfg[key] = odd_value(rng)
 
         def build():
-            check_weights(cfg, weights, "fuzz")
+            check_weights(cfg, weights[kind], "fuzz")
             spec = ModelSpec.from_hf_config(cfg)
             TrainSpec(batch=1, seq=4, lora_targets=tuple(spec.targets)[:1], rank=2).validate(spec)
         seen[expect_clean(build, cfg, allowed=(LoracError, ValueError))] += 1

@@ -26,7 +26,7 @@ pytest.importorskip("tvm")
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # shared with tests/test_reliability_*.py, which import it
 def work(tmp_path_factory):
     d = make_workdir(tmp_path_factory.mktemp("reliability"))
     r = _run(_train_args(d, d / "ref", STEPS, "--save-every", "4"))

@@ -180,7 +180,7 @@ def test_eval_and_generate_commands(workdir, trained):
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(r.stdout.strip()) > 0
     r = _run(["generate", "--checkpoint", str(trained / "checkpoints"), "--prompt", "x", "--top-p", "0"])
-    assert r.returncode == 2 and "top_p" in r.stderr
+    assert r.returncode == 2 and "--top-p" in r.stderr
 
 
 def test_toml_config_supplies_defaults_and_flags_win(workdir, tmp_path):

@@ -102,6 +102,8 @@ def required_tensors(config: dict, extra: tuple = ()) -> list:
         need += [f"model.layers.{i}.{m}.weight" for m in mods]
         if config.get("model_type") == "qwen2" or config.get("attention_bias"):
             need += [f"model.layers.{i}.self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj")]
+        if config.get("attention_bias") and config.get("model_type") != "qwen2":  # the graph's o_bias
+            need.append(f"model.layers.{i}.self_attn.o_proj.bias")
     return need
 
 

@@ -2,6 +2,8 @@
 (document_pieces), encoded in bounded pieces (encode_masked), with BOS/EOS (tokenize_chunk)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ..errors import LoracError
@@ -44,7 +46,7 @@ def document_pieces(record, tokenizer, where):
 def tokenize_chunk(chunk, tokenizer, vocab_size, path):
     """[(lineno, record)] -> [(ids int32, mask uint8, new_doc)], one per record; new_doc is
     False for the second and later pieces of a long plain-text paragraph (one document)."""
-    pieces = [document_pieces(r, tokenizer, f"{path}:{n}") for n, r in chunk]
+    pieces = [valid_text(document_pieces(r, tokenizer, f"{path}:{n}"), f"{path}:{n}") for n, r in chunk]
     out = []
     for (lineno, record), (text, spans, eos, bos), (ids, mask) in zip(chunk, pieces, encode_masked(tokenizer, pieces)):
         if bos and tokenizer.add_bos:
@@ -59,6 +61,20 @@ def tokenize_chunk(chunk, tokenizer, vocab_size, path):
                              f"{vocab_size} (tokenizer and model do not match)")
         out.append((ids, mask, not record.get(CONTINUED, False)))
     return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(piece, where):
+    """A document's text must be Unicode the tokenizer can encode: JSON lets an escape name half
+    of a UTF-16 pair ("\\ud800") alone, which no UTF-8 holds and the tokenizer refuses with a
+    TypeError."""
+    m = _SURROGATE.search(piece[0])
+    if m:
+        raise LoracError(f"{where}: a lone UTF-16 surrogate {ascii(m.group())[1:-1]} at character {m.start()} of the "
+                         "text, which is not valid Unicode (a \\uD800-\\uDFFF escape without its pair?)")
+    return piece
 
 
 def encode_masked(tokenizer, pieces):

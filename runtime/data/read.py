@@ -6,6 +6,7 @@ import json
 import os
 
 from ..errors import LoracError
+from ..files import open_regular
 
 CONTINUED = "\0continued"  # a plain-text record key: this piece continues the previous record's document
 MAX_PARAGRAPH = 1 << 16  # chars: a plain-text paragraph longer than this is cut at a line end
@@ -35,7 +36,7 @@ def read_records(path):
 
 
 def _read_jsonl(path):
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open_regular(path, what="data file", encoding="utf-8", errors="strict") as f:
         for lineno, line in enumerate(_lines(f, path, MAX_LINE + 1), 1):
             if len(line) > MAX_LINE:
                 raise LoracError(f"{path}:{lineno}: line longer than {MAX_LINE >> 20} M characters; "
@@ -46,13 +47,15 @@ def _read_jsonl(path):
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise LoracError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:  # [[[[... deeper than Python's stack
+                raise LoracError(f"{path}:{lineno}: JSON nested too deeply") from None
             if not isinstance(record, dict):
                 raise LoracError(f"{path}:{lineno}: a JSON object is expected, got {type(record).__name__}")
             yield lineno, record
 
 
 def _read_text(path):
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open_regular(path, what="data file", encoding="utf-8", errors="strict") as f:
         para, size, start, cont = [], 0, 1, False
         # read in parts of at most MAX_PARAGRAPH chars, so one endless line is cut like a paragraph;
         # a part cut from the middle of a line is never a blank line

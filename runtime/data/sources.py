@@ -52,6 +52,8 @@ def _load_json_array(p: Path):
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoracError(f"{p}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise LoracError(f"{p}: not valid JSON (nested too deeply)") from None
 
 
 def _hf_rows(path: str, p: Path):

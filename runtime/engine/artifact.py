@@ -131,6 +131,9 @@ class Step:
         try:
             res = self._vm["main"](*args)
         except Exception as e:  # TVM raises its own error types
+            if _out_of_memory(e):  # past the checks of runtime/limits.py (another process took the memory?)
+                raise LoracError(f"out of {self.device} memory while running the artifact ({_last_line(e)}); lower "
+                                 "--batch or --seq, or free memory") from None
             if not self.bound_inputs or self._captured:
                 raise
             # the first call of a CUDA-graph build is the one that captures its graphs
@@ -142,6 +145,17 @@ class Step:
         if as_numpy:
             res = [r.numpy() for r in res]
         return {o["name"]: r for o, r in zip(self.outputs, res)}
+
+
+def _out_of_memory(e: Exception) -> bool:
+    text = str(e)
+    return isinstance(e, MemoryError) or any(s in text for s in (
+        "bad_alloc", "out of memory", "OUT_OF_MEMORY", "cudaErrorMemoryAllocation", "Cannot allocate memory"))
+
+
+def _last_line(e: Exception) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
 
 
 def _same_memory(a, b) -> bool:

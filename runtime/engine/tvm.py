@@ -62,7 +62,10 @@ class Engine(Graphs):
     def _artifact(self, kind: str):
         """The loaded artifact of graph `kind`, compiled on first use."""
         if kind not in self._arts:
-            step = self._arts[kind] = load_artifact(self.compile(kind), self.device)
+            step = load_artifact(self.compile(kind), self.device)
+            from ..limits import check_plan
+            check_plan(step.manifest, devices.get(self.device), kind.split(":")[0])  # before its first call allocates it
+            self._arts[kind] = step
             if kind == "train":
                 self.log(memory_summary(step.manifest, self.shapes, self.device))
             if kind != "adamw" and self._weights is None:

@@ -24,7 +24,7 @@ from lorac.graphs import families
 
 from ..errors import LoracError
 from .output import staged
-from ..model.weights import as_dtype
+from ..model.weights import as_dtype, read_index
 
 _NAME = re.compile(r"^base_model\.model\..+\.layers\.(\d+)\.[\w.]+?\.(\w+)\.lora_(A|B)\.weight$")
 # from the model families (graphs/families/): the targets a PEFT adapter cannot carry, and why
@@ -86,11 +86,13 @@ class PeftRefused(LoracError):
 
 
 def export_peft(out_dir, lora: dict[str, np.ndarray], *, alpha: float, use_rslora: bool = False,
-                base_model_name_or_path: str = "", num_hidden_layers: int | None = None, warn=None) -> Path:
+                base_model_name_or_path: str = "", num_hidden_layers: int | None = None, warn=None,
+                legacy: bool = False) -> Path:
     """Write adapter_config.json + adapter_model.safetensors that PeftModel.from_pretrained loads.
 
     `num_hidden_layers` (the base model's) lets the config say `layers_to_transform` when
-    only some layers carry LoRA; without it every layer is assumed adapted. Mamba targets in
+    only some layers carry LoRA; without it every layer is assumed adapted. `legacy`: an
+    existing `out_dir` without lorac's marker may be replaced (output.check_replaceable). Mamba targets in
     PEFT_LEFT_OUT (a family's, e.g. Mamba's dt_proj) are dropped with one line to `warn`;
     nothing left: PeftRefused.
     """
@@ -125,7 +127,7 @@ def export_peft(out_dir, lora: dict[str, np.ndarray], *, alpha: float, use_rslor
     for (layer, t), (a, b) in pairs.items():  # PEFT's saved keys drop the adapter name ("default")
         tensors[lora_name(layer, t, "A")] = np.ascontiguousarray(a, dtype=np.float32)
         tensors[lora_name(layer, t, "B")] = np.ascontiguousarray(b, dtype=np.float32)
-    with staged(out_dir, "dir", PEFT_FILES) as out:
+    with staged(out_dir, "dir", PEFT_FILES, "peft", legacy) as out:
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return Path(out_dir)
@@ -155,9 +157,10 @@ def merge_lora(weights: dict[str, np.ndarray], lora: dict[str, np.ndarray], *, a
 
 
 def _model_files(model_dir: Path) -> list[str]:
+    """The base model's weight files, relative to it (shards checked to lie inside: weights.read_index)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return sorted(set(read_index(model_dir).values()))
     if (model_dir / "model.safetensors").exists():
         return ["model.safetensors"]
     raise LoracError(f"no model.safetensors (or model.safetensors.index.json) in {model_dir}")
@@ -176,7 +179,7 @@ def export_merged(out_dir, model_dir, lora: dict[str, np.ndarray], *, alpha: flo
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise LoracError(f"merged export dtype must be float32, bfloat16 or float16 (or none: the source's), got {dtype!r}")
     pairs = lora_pairs(lora)
-    with staged(out, "dir", MERGED_FILES) as tmp:
+    with staged(out, "dir", MERGED_FILES, "merged") as tmp:
         _write_merged(tmp, model_dir, pairs, alpha, use_rslora, dtype)
     return out
 
@@ -196,6 +199,7 @@ def _write_merged(out: Path, model_dir: Path, pairs: dict, alpha: float, use_rsl
         if dtype:
             merged = {k: v.astype(as_dtype(dtype)) if v.dtype.kind == "f" or v.dtype.name == "bfloat16" else v
                       for k, v in merged.items()}
+        (out / fname).parent.mkdir(parents=True, exist_ok=True)  # inside the staging folder (read_index)
         save_file({k: np.ascontiguousarray(v) for k, v in merged.items()}, str(out / fname), metadata={"format": "pt"})
     if len(done) != 2 * len(pairs):
         left = sorted(set(lora_name(i, t, "A") for i, t in pairs) - done)
@@ -227,7 +231,7 @@ def export_merged_weights(out_dir, weights: dict[str, np.ndarray], config: dict,
     if dtype:
         merged = {k: x.astype(as_dtype(dtype)) for k, x in merged.items()}
         config = {**config, "torch_dtype": dtype, "dtype": dtype}
-    with staged(out_dir, "dir", MERGED_FILES) as out:
+    with staged(out_dir, "dir", MERGED_FILES, "merged") as out:
         save_file({k: np.ascontiguousarray(x) for k, x in merged.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -277,7 +281,7 @@ def export_gguf(out_path, lora: dict[str, np.ndarray], *, alpha: float, model_co
     pairs = lora_pairs(lora)
     r = next(iter(pairs.values()))[0].shape[0]
     alpha_eff = alpha * math.sqrt(r) if use_rslora else alpha
-    with staged(out_path, "file") as tmp:
+    with staged(out_path, "file", fmt="gguf") as tmp:
         _write_gguf(gguf, tmp, arch, alpha_eff, name, pairs, permute, family.GGUF_TARGETS)
     return Path(out_path)
 

@@ -72,14 +72,18 @@ def export_onnx_graph(args) -> int:
     of --model with the given settings; the model's config alone, no weights."""
     from lorac.graphs import ModelSpec
 
+    from ..evaluate import check_positive
     from ..model.source import resolve_model
     from ..train.plan import plan_graphs
     from ..train.saved import SavedRun
     from .onnx import export_onnx
+    check_positive(args, "batch", "seq", "rank", "alpha")
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()] if args.targets is not None else None
+    if targets == []:
+        raise LoracError(f"--targets {args.targets!r} names no LoRA target (leave it out for every linear layer)")
     saved = SavedRun.read(args.checkpoint) if args.checkpoint else SavedRun()
     cfg = saved.config(ONNX_DEFAULTS, model=args.model, batch=args.batch, seq=args.seq, rank=args.rank,
-                       alpha=args.alpha, lora_targets=tuple(args.targets.split(",")) if args.targets else None,
-                       packing=args.packing)
+                       alpha=args.alpha, lora_targets=tuple(targets) if targets else None, packing=args.packing)
     config = resolve_model(cfg.model).config()
     train = plan_graphs(cfg, ModelSpec.from_hf_config(config)).train
     path = export_onnx(args.out, config, train, args.graph)

@@ -42,6 +42,24 @@ def _merged_matrix(t, a, b, scale, permute_heads):
     return w + scale * (np.asarray(b, np.float32) @ np.asarray(a, np.float32))
 
 
+def _write(gguf, path, arch, reader, by_tensor, scale, permute, qtype) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    _copy_metadata(reader, writer)
+    target_type = gguf.GGMLQuantizationType[qtype]
+    for t in reader.tensors:
+        if t.name not in by_tensor:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        target, a, b = by_tensor[t.name]
+        w = _merged_matrix(t, a, b, scale, permute.get(target))
+        data = w.astype(np.float32) if qtype == "F32" else gguf.quants.quantize(w, target_type)
+        writer.add_tensor(t.name, data, raw_dtype=target_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rslora: bool = False,
                        qtype: str = "F16") -> Path:
     import gguf
@@ -66,21 +84,8 @@ def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rsl
     missing = sorted(set(by_tensor) - {t.name for t in reader.tensors})
     if missing:
         raise LoracError(f"{base_gguf}: has no tensor {missing[0]} for the LoRA on it")
+    from .output import staged
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out), arch)
-    _copy_metadata(reader, writer)
-    target_type = gguf.GGMLQuantizationType[qtype]
-    for t in reader.tensors:
-        if t.name not in by_tensor:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-            continue
-        target, a, b = by_tensor[t.name]
-        w = _merged_matrix(t, a, b, scale, permute.get(target))
-        data = w.astype(np.float32) if qtype == "F32" else gguf.quants.quantize(w, target_type)
-        writer.add_tensor(t.name, data, raw_dtype=target_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with staged(out, "file", fmt="gguf") as tmp:  # whole or not at all, never over a foreign file
+        _write(gguf, tmp, arch, reader, by_tensor, scale, permute, qtype)
     return out

@@ -21,7 +21,8 @@ def export_onnx(out_path, config: dict, train, graph: str = "train") -> Path:
     from lorac.graphs import ModelSpec, build_eval_graph, build_forward_graph, build_training_graph
     build = {"train": build_training_graph, "eval": build_eval_graph, "forward": build_forward_graph}[graph]
     model = build(ModelSpec.from_hf_config(config), train)
+    from .output import staged
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(out))
+    with staged(out, "file", fmt="onnx") as tmp:  # whole or not at all, never over a foreign file
+        onnx.save(model, str(tmp))
     return out

@@ -48,12 +48,16 @@ class StartAdapter:
 
 
 def _config(folder: Path) -> dict:
+    from ..files import open_regular
     try:
-        config = json.loads((folder / "adapter_config.json").read_text())
+        with open_regular(folder / "adapter_config.json", what="adapter_config.json") as f:
+            config = json.load(f)
     except FileNotFoundError:
         raise LoracError(f"{folder}: not a PEFT adapter directory (no adapter_config.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoracError(f"{folder}/adapter_config.json: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise LoracError(f"{folder}/adapter_config.json: not valid JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})") from None
+    if not isinstance(config, dict):
+        raise LoracError(f"{folder}/adapter_config.json: a JSON object is expected")
     refusals = [(config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')} (only LORA)"),
                 (bool(config.get("use_dora")), "DoRA (use_dora)"),
                 (bool(config.get("rank_pattern")) or bool(config.get("alpha_pattern")), "per-module ranks or alphas"),
@@ -72,6 +76,8 @@ def _tensors(folder: Path) -> dict:
     if not path.exists():
         why = " (adapter_model.bin is a pickle, which lorac does not load)" if (folder / "adapter_model.bin").exists() else ""
         raise LoracError(f"{folder}: no adapter_model.safetensors{why}")
+    from ..files import check_regular
+    check_regular(path, "safetensors file")
     try:
         raw = load_file(str(path))
     except SafetensorError as e:

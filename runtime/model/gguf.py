@@ -31,6 +31,8 @@ def open_gguf(path):
     """A `gguf.GGUFReader` on `path` (memory-mapped), or a one-line LoracError."""
     import gguf  # a hard dependency, imported here so HF-only users never pay for it
 
+    from ..files import check_regular
+    check_regular(path, "GGUF file")
     try:
         return gguf.GGUFReader(str(path), "r")
     except FileNotFoundError:

@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from ..errors import LoracError
+from ..files import check_regular, open_regular
 
 
 class Tokenizer:
@@ -58,7 +59,7 @@ class Tokenizer:
                              "chat data needs one (use prompt/completion or text data instead)")
         from . import chat_template  # sandboxed and bounded in size and time
         if self._template is None:
-            self._template = chat_template.compile_template(self.chat_template)
+            self._template = chat_template.compile_template(self.chat_template, self.source)
         size = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
         return chat_template.render(self._template, size, messages=messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token)
@@ -97,6 +98,7 @@ def load_hf_tokenizer(model_dir) -> Tokenizer:
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.exists(path):
         raise LoracError(f"{model_dir}: no tokenizer.json")
+    check_regular(path, "tokenizer.json")
     try:
         backend = Backend.from_file(path)
     except Exception as e:  # the Rust side raises a bare Exception
@@ -110,7 +112,7 @@ def load_hf_tokenizer(model_dir) -> Tokenizer:
         template = named.get("default") or next(iter(named.values()), None)
     jinja_file = os.path.join(model_dir, "chat_template.jinja")
     if template is None and os.path.exists(jinja_file):
-        with open(jinja_file) as f:
+        with open_regular(jinja_file, what="chat template") as f:
             template = f.read()
 
     def token_id(kind):
@@ -136,10 +138,12 @@ def _read_json(path):
     if not os.path.exists(path):
         return {}
     try:
-        with open(path) as f:
+        with open_regular(path, what="JSON file") as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoracError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise LoracError(f"{path}: not valid JSON (nested too deeply)") from None
 
 
 def load_gguf_tokenizer(path) -> Tokenizer:

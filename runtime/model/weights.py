@@ -22,6 +22,7 @@ import numpy as np
 from lorac.core.dtypes import as_dtype  # noqa: F401 (callers import it from here too)
 
 from ..errors import LoracError
+from ..files import check_regular, open_regular
 from .checks import check_weights, required_tensors  # noqa: F401 (callers import them from here too)
 
 SAFETENSORS_DTYPES = {
@@ -51,6 +52,7 @@ def read_safetensors_header(path) -> tuple[dict, int]:
         raise LoracError(f"{path}: is a directory, not a safetensors file")
     if not os.path.exists(path):
         raise LoracError(f"weights file not found: {path}")
+    check_regular(path, "safetensors file")  # a FIFO would block the library's open for ever
     try:
         with safe_open(os.fspath(path), framework="numpy"):
             pass
@@ -91,12 +93,14 @@ def load_safetensors(path, dtype=np.float32, names=None) -> dict:
 def read_config(model_dir) -> dict:
     path = os.path.join(model_dir, "config.json")
     try:
-        with open(path) as f:
+        with open_regular(path, what="config.json") as f:
             config = json.load(f)
     except FileNotFoundError:
         raise LoracError(f"{model_dir}: no config.json (not an HF model directory)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoracError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise LoracError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise LoracError(f"{path}: has no model_type")
     return config
@@ -127,18 +131,13 @@ def load_hf_dir(model_dir, dtype=np.float32, quantize=None, keep_quantized=False
 def _shards(model_dir) -> dict:
     """{safetensors file: the tensor names to read from it, None for all} of an HF directory."""
     single = os.path.join(model_dir, "model.safetensors")
-    index = os.path.join(model_dir, "model.safetensors.index.json")
+    index = os.path.join(model_dir, INDEX)
     if os.path.exists(single):
         return {single: None}
     if not os.path.exists(index):
         raise LoracError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-        raise LoracError(f"{index}: not a safetensors index (no weight_map)") from None
     shards = {}
-    for name, shard in weight_map.items():
+    for name, shard in read_index(model_dir).items():
         shards.setdefault(shard, []).append(name)
     out = {}
     for shard, names in sorted(shards.items()):
@@ -147,6 +146,42 @@ def _shards(model_dir) -> dict:
             raise LoracError(f"{index}: shard {shard} is missing")
         out[path] = names
     return out
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_index(model_dir) -> dict:
+    """{tensor name: shard file} of a sharded HF model (model.safetensors.index.json). Each shard
+    must be a relative path inside the model folder: an absolute path or one climbing out with
+    `..` would make lorac read (and a merged export write) files the user never named."""
+    index = os.path.join(model_dir, INDEX)
+    try:
+        with open_regular(index, what="safetensors index") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise LoracError(f"{index}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise LoracError(f"{index}: not a safetensors index (not valid JSON)") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise LoracError(f"{index}: not a safetensors index (weight_map must be an object of tensor names and "
+                         f"shard files, got {type(weight_map).__name__})")
+    bad = next((f"{k!r}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad:
+        raise LoracError(f"{index}: weight_map entry {bad[:200]} does not name a shard file")
+    for shard in sorted(set(weight_map.values())):
+        if not shard_inside(shard):
+            raise LoracError(f"{index}: shard {shard!r} lies outside the model folder (an absolute path or `..`); "
+                             "shards must be files of the model folder")
+    return weight_map
+
+
+def shard_inside(name: str) -> bool:
+    """Whether a shard name is a plain relative path that stays inside its folder."""
+    parts = name.replace("\\", "/").split("/")
+    return bool(name) and not os.path.isabs(name) and not name.startswith(("/", "\\")) and ":" not in parts[0] \
+        and ".." not in parts and all(parts)
 
 
 def _load_bnb(shards: dict, config: dict, dtype, keep_quantized: bool, source) -> dict:
@@ -172,8 +207,7 @@ def weight_files(path) -> list:
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
-    with open(os.path.join(path, "model.safetensors.index.json")) as f:
-        return [os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+    return [os.path.join(path, s) for s in sorted(set(read_index(path).values()))]
 
 
 FINGERPRINT_WINDOWS, FINGERPRINT_BYTES = 17, 1 << 16
@@ -215,6 +249,8 @@ def load_model(path, dtype=np.float32, quantize=None, keep_quantized=False) -> t
         return load_gguf(path, dtype, quantize=quantize, keep_quantized=keep_quantized)
     if os.path.isfile(path):
         raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
+    if not os.path.isdir(path):
+        check_regular(path, "model")  # a FIFO or device: refused by what it is
     return load_hf_dir(path, dtype, quantize=quantize, keep_quantized=keep_quantized)
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from lorac.core import atomic
+
 from ..config import TrainConfig
 from ..errors import LoracError
 from ..files import respect_umask
-from .report import Report, compile_all
+from .report import Report, compile_all, skipped_verdict
 from .run import Run, graph_kinds, precompile, show_sample
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -33,6 +35,9 @@ def train(cfg: TrainConfig, log=None) -> dict:
     if cfg.compile_only:
         return precompile(cfg, log)
     workers = distributed.setup(cfg)
+    if workers.main:  # before anything is written or trained (outdir.py)
+        from .outdir import check_run_dir
+        check_run_dir(cfg)
     lock = _claim(Path(cfg.out)) if workers.main else None  # data parallel: only rank 0 writes into OUT
     try:
         # whatever _train opens or installs (the metrics file, the signal handlers) it hands to
@@ -64,7 +69,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
     from .optim import group_lrs
 
     run = Run(cfg, log)
-    cfg = run.cfg  # as planned: an --adapter's rank, alpha and targets, the packing, the checkpointing
+    cfg = run.cfg  # as planned: an --adapter's settings, packing, checkpointing; no eval without an eval set
     log, dp = run.log, run.dp
     out = Path(cfg.out)
     dp.check_identity(run)
@@ -146,7 +151,8 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
         summary["gpu_memory_in_use_gb"] = round(gpu_in_use, 2)
     if hasattr(eng, "describe"):  # what ran: backend, providers, the WebGPU adapter (runtime/engine/ort.py)
         summary["device"] = eng.describe()
-    if not interrupted:
+    failed = summary["failed"] = None if interrupted else skipped_verdict(st["step"], st["skipped"])
+    if not interrupted and not failed:
         from ..export import PeftRefused, export_peft
         from .plot import plot_metrics
         try:
@@ -158,7 +164,9 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
             adapter = None
         summary["adapter"] = adapter and str(adapter)
         summary["loss_curve"] = str(plot_metrics(out / "metrics.jsonl", out / "loss.png"))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic.write_text(out / "summary.json", json.dumps(summary, indent=1))  # never through a link
+    if failed:  # a run that learned nothing does not exit 0 (report.skipped_verdict)
+        raise LoracError(f"{failed} (summary: {out / 'summary.json'})")
     return summary
 
 

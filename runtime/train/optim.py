@@ -43,15 +43,16 @@ class LoraPlusConfig:
     # 2e-4: LoRA's most common rate (QLoRA's for 7B-13B models), for the A matrices; B moves
     # loraplus_ratio times faster. The LoRA+ authors (and PEFT's docstring) advise a lower
     # rate when the ratio is large: halve it for long runs whose loss spikes.
-    lr: float = setting(2e-4, "learning rate of the LoRA A matrices; B gets lr * loraplus_ratio")
+    lr: float = setting(2e-4, "learning rate of the LoRA A matrices, in (0, 1]; B gets lr * loraplus_ratio (a negative "
+                        "value on the command line: --lr=-1e-3 or --lr -1e-3, refused by the range)")
     # ratio lr_B / lr_A; 16 is the LoRA+ paper's and PEFT's recommended default.
-    loraplus_ratio: float = setting(16.0, "LoRA+ ratio: lr(B) = ratio * lr(A)")
+    loraplus_ratio: float = setting(16.0, "LoRA+ ratio: lr(B) = ratio * lr(A), in (0, 1000]")
     # (0.9, 0.999) and 1e-8 are torch.optim.AdamW's and HF TrainingArguments' defaults.
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas (b1, b2)")
     eps: float = setting(1e-8, "AdamW epsilon")
     # 0.0 as PEFT's create_loraplus_optimizer (loraplus_weight_decay) and HF Trainer: LoRA
     # matrices are small and regularised by their rank already; torch's 0.01 is for dense nets.
-    weight_decay: float = setting(0.0, "AdamW decoupled weight decay (not on 1-D tensors)")
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay (not on 1-D tensors), in [0, 1]")
     # 1.0 is HF Trainer's default; <= 0 disables clipping (the norm is still computed).
     max_grad_norm: float = setting(1.0, "global gradient-norm clip (<= 0: off)")
     # 4 steps of linear warmup from lr/4: Adam's first updates are sign-like (about lr per

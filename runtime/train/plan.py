@@ -65,6 +65,7 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
     if adapter is not None:
         cfg = replace(cfg, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora, lora_targets=adapter.targets,
                       trained_layers=adapter.trained_layers(spec.layers))
+        cfg.check_bounds()  # the adapter's alpha, as --alpha's
     packing = resolve_packing(cfg.packing, spec, device)
     if packing != cfg.packing:  # checkpoints record what ran
         cfg = replace(cfg, packing=packing)

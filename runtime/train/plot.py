@@ -50,5 +50,7 @@ def plot_metrics(metrics_path, png_path) -> Path:
     if handles[0]:
         ax.legend(*handles, loc="upper right")
     fig.tight_layout()
-    fig.savefig(str(png_path))
+    from lorac.core.atomic import replacing
+    with replacing(png_path, suffix=".png") as tmp:  # renamed over the name: never drawn through a link
+        fig.savefig(str(tmp), format="png")
     return Path(png_path)

@@ -17,6 +17,9 @@ from pathlib import Path
 from ..errors import LoracError
 
 PROGRESS = ("auto", "bar", "lines")
+# More steps skipped than this share (a non-finite loss or gradient norm: the update is not
+# applied) and the run learned next to nothing: it ends nonzero and writes no adapter/.
+MAX_SKIPPED_SHARE = 0.5
 REPORT_TO = ("none", "tensorboard")
 
 
@@ -28,13 +31,23 @@ def check_report_settings(progress: str, report_to: str) -> None:
         raise LoracError(f"--report-to takes {' or '.join(REPORT_TO)}, got {', '.join(bad)}")
 
 
+def skipped_verdict(steps: int, skipped: int) -> str | None:
+    """Why a finished run failed for its skipped steps (more than MAX_SKIPPED_SHARE), or None."""
+    if not steps or skipped <= MAX_SKIPPED_SHARE * steps:
+        return None
+    return (f"{skipped} of {steps} steps were skipped (non-finite loss or gradient norm), more than "
+            f"{MAX_SKIPPED_SHARE:.0%}: the adapter learned {'nothing' if skipped == steps else 'too little'}, so none "
+            "is written; lower --lr or --alpha, or check the data and the model's weights")
+
+
 def use_bar(progress: str) -> bool:
     return progress == "bar" or (progress == "auto" and sys.stderr.isatty())
 
 
 class Report:
     def __init__(self, out: Path, progress: str, report_to: str, resume: bool, log):
-        self.metrics = open(out / "metrics.jsonl", "a" if resume else "w")
+        from ..files import open_run_file  # never through a link planted in --out
+        self.metrics = open_run_file(out / "metrics.jsonl", append=bool(resume))
         self.bar = None  # made at the first step, below whatever compiling and evaluating printed
         self.wants_bar, self._log = use_bar(progress), log
         self.tb = _tensorboard(out) if "tensorboard" in report_to else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,12 @@ class Run:
                                  eval_path=self.eval_path, packing=cfg.packing, truncate=cfg.truncate)
         for line in data_lines(data_path, self.data.describe()):
             self.log(line)
+        if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
+            self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
+            cfg = self.cfg = replace(cfg, eval_batches=0)
+        if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
+            self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
+            cfg = self.cfg = replace(cfg, eval_batches=0)
         self.optim_cfg = cfg.optim_config()
         device = self.plan.device
         info = device.gemm_info() if cfg.backend == "tvm" and not cfg.compile_only else None
