@@ -87,6 +87,9 @@ CASES = {
                           ["fast:unsloth-gc"]),
     # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
     "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
+    # every layer recomputed, inputs offloaded: the leanest setting (auto48's estimate, 46.8 GB, is at its budget)
+    "70b-1x2048-nf4-offload": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "checkpointing": True,
+                                                                   "offload": True, "loss_chunk": 1024}, []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
     "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
@@ -153,7 +156,30 @@ def model_flops(cfg: dict, B: int, S: int) -> float:
     return 4.0 * matmul * B * S + 6.0 * L * B * S * S * H * Dh
 
 
+SOURCE_FILE = "lorac_source.txt"  # in the cache: the source digest its artifacts were compiled from
+
+
+def pin_source(cache: str) -> None:
+    """Artifacts are keyed by lorac's source (core, graphs, compiler: lorac.core.keys.versions).
+    When the cache says which source compiled it and this checkout's differs (a later commit
+    that changed no graph or pass), use the cache's digest, and say so: the bench measures those
+    artifacts, and compiling an 8B or 70B step again on the GPU machine is not possible there."""
+    path = Path(cache) / SOURCE_FILE
+    if not path.exists():
+        return
+    from lorac.core import keys
+    pinned, ours = path.read_text().strip(), keys.versions()["lorac_source"]
+    if pinned != ours:
+        print(f"note: this checkout's source digest {ours[:12]} differs from the cache's {pinned[:12]}; "
+              "using the cache's artifacts as compiled", flush=True)
+        real = keys.versions
+        keys.versions = lambda: {**real(), "lorac_source": pinned}
+
+
 def prepare(cache: str, cases: list[str]) -> None:
+    from lorac.core.keys import versions
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    (Path(cache) / SOURCE_FILE).write_text(versions()["lorac_source"] + "\n")
     for case in cases:
         eng, _, _ = _engine(case, cache)
         for kind in ("train", "adamw"):
@@ -328,6 +354,8 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
 
 if __name__ == "__main__":
     mode, cache, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if mode != "prepare":
+        pin_source(cache)
     if mode == "prepare":
         prepare(cache, rest or list(CASES))
     elif mode == "lorac":  # CASE [TUNE_TRIALS]
