@@ -51,14 +51,14 @@ def reference(art_root: Path) -> None:
     from lorac.runtime.engine.artifact import load_artifact
     for d in sorted(art_root.glob("*-float32-*-cpu")):
         step = load_artifact(d, "cpu")
-        out = step(make_inputs(step.manifest))
+        out = step(make_inputs(step.manifest.to_json()))
         np.savez(art_root / (d.name.removesuffix("-cpu") + ".ref.npz"), **out)
         print("reference", d.name, "loss", float(out["loss"]))
 
 
 def device_inputs(step) -> tuple[dict, dict]:
     """(host inputs, the same uploaded to the step's device) for timing: tiled, not exact."""
-    inputs = make_inputs(step.manifest, exact=False)
+    inputs = make_inputs(step.manifest.to_json(), exact=False)
     return inputs, {s["name"]: step.upload(s, inputs[s["name"]]) for s in step.inputs}
 
 
@@ -93,8 +93,8 @@ def device(art_root: Path, out_dir: Path) -> None:
             if ref_path.is_file():  # numerics vs the CPU fp32 reference
                 ref = dict(np.load(ref_path))
                 if d.name.endswith("-graph"):  # capture on other inputs: check a replay
-                    step(make_inputs(step.manifest, exact=False))
-                out = step(make_inputs(step.manifest))
+                    step(make_inputs(step.manifest.to_json(), exact=False))
+                out = step(make_inputs(step.manifest.to_json()))
                 r["loss"], r["ref_loss"] = float(out["loss"]), float(ref["loss"])
                 r["loss_rel"] = abs(r["loss"] - r["ref_loss"]) / abs(r["ref_loss"])
                 rel, cos = [], []
@@ -114,7 +114,7 @@ def device(art_root: Path, out_dir: Path) -> None:
             r["enqueue_ms"] = round((time.perf_counter() - t) * 1e2, 3)
             step._dev.sync()
             if d.name.endswith("-graph"):  # replays never call the GEMM functions again
-                r["tokens"] = int(np.prod(step.manifest["inputs"][0]["shape"]))
+                r["tokens"] = int(np.prod(step.manifest.inputs[0]["shape"]))
                 r["tok_s"] = round(r["tokens"] / r["step_ms"] * 1e3)
                 print(json.dumps(r), flush=True)
                 results.append(r)
@@ -126,7 +126,7 @@ def device(art_root: Path, out_dir: Path) -> None:
             gemm._registered = False
             gemm.register()
             r["gemm_ms"] = round(r["step_ms"] - r["no_gemm_ms"], 3)
-            r["tokens"] = int(np.prod(step.manifest["inputs"][0]["shape"]))
+            r["tokens"] = int(np.prod(step.manifest.inputs[0]["shape"]))
             r["tok_s"] = round(r["tokens"] / r["step_ms"] * 1e3)
             del step, args
         except Exception as e:  # report and go on with the next artifact

@@ -124,7 +124,7 @@ def device(root: Path) -> None:
     from lorac.runtime.engine.artifact import load_artifact
     for kind in KINDS:
         step = load_artifact(root / f"{kind}-cuda", "cuda")
-        out = step(inputs(step.manifest))
+        out = step(inputs(step.manifest.to_json()))
         ref = np.load(root / f"{kind}.ref.npz")
         grads = [k for k in ref.files if k != "loss"]
         cos = min(_cos(out[k], ref[k]) for k in grads)
@@ -134,7 +134,7 @@ def device(root: Path) -> None:
     runs = []
     for name in ("plain", "offload"):
         step = load_artifact(root / f"ckpt-{name}-cuda", "cuda")
-        feeds = inputs(step.manifest)
+        feeds = inputs(step.manifest.to_json())
         runs.append([step(feeds) for _ in range(3)])
     same = all(np.array_equal(a[k], b[k]) for a, b in zip(*runs) for k in a)
     print(json.dumps({"check": "offload vs plain checkpointing, 3 replays", "bit_identical": same, "ok": same,

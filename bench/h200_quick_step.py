@@ -25,4 +25,4 @@ tokens = int(inputs["input_ids"].size)
 used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                       capture_output=True, text=True, check=False).stdout.strip()
 print(json.dumps(dict(artifact=Path(art).name, warm_s=round(warm, 2), step_s=round(dt, 3), tok_s=round(tokens / dt),
-                      loss=float(out["loss"]), gpu_mem_used_mib=used, plan=step.manifest.get("memory"))), flush=True)
+                      loss=float(out["loss"]), gpu_mem_used_mib=used, plan=step.manifest.memory)), flush=True)

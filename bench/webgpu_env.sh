@@ -6,6 +6,8 @@
 #   source bench/webgpu_env.sh [DIR]      (DIR: .devcarry/webgpu)
 D=${1:-.devcarry/webgpu}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_w "$D"/whl/*.whl
+# the Vulkan loader and glvnd into the (throwaway) GPU machine's system, as its README advises
+if [ -d "$D/debs" ] && [ "$(id -u)" = 0 ]; then for f in "$D"/debs/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
 export LD_LIBRARY_PATH=$PWD/$D/vulkan/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
 mkdir -p /tmp/shim/lorac

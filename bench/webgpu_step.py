@@ -80,6 +80,9 @@ def emit(rec: dict) -> dict:
     return rec
 
 
+GL_DEBS = ("libvulkan1", "libglvnd0", "libglx0", "libegl1", "libopengl0", "libgl1", "libgles2")
+
+
 # -- here --------------------------------------------------------------------------------
 def prepare(d: Path) -> None:
     d.mkdir(parents=True, exist_ok=True)
@@ -87,12 +90,17 @@ def prepare(d: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64", "--platform",
                     "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "-d", str(whl), *WHEELS], check=True)
-    with tempfile.TemporaryDirectory() as tmp:  # the Vulkan loader, as Debian ships it
-        subprocess.run(["apt-get", "download", "libvulkan1"], cwd=tmp, check=True, capture_output=True)
-        deb = next(Path(tmp).glob("libvulkan1_*.deb"))
-        shutil.rmtree(d / "vulkan", ignore_errors=True)
+    # the Vulkan loader and glvnd, as Debian ships them: NVIDIA's Vulkan driver (libGLX_nvidia) needs
+    # libGLdispatch from libglvnd0, else "Could not get vkCreateInstance ... for ICD libGLX_nvidia.so.0"
+    # and Dawn finds no adapter (seen on the H200); webgpu_env.sh unpacks them into / there
+    debs = d / "debs"
+    shutil.rmtree(debs, ignore_errors=True)
+    debs.mkdir()
+    subprocess.run(["apt-get", "download", *GL_DEBS], cwd=debs, check=True, capture_output=True)
+    shutil.rmtree(d / "vulkan", ignore_errors=True)
+    for deb in sorted(debs.glob("*.deb")):
         subprocess.run(["dpkg", "-x", str(deb), str(d / "vulkan")], check=True)
-        shutil.rmtree(d / "vulkan" / "usr" / "share", ignore_errors=True)
+    shutil.rmtree(d / "vulkan" / "usr" / "share", ignore_errors=True)
     sys.path.insert(0, str(REPO / "tests"))
     from tiny_model import make_workdir
     work = make_workdir(d / "work")

@@ -66,11 +66,13 @@ def compile_command(argv: list[str], note=None) -> int:
     from lorac.core.artifact_cache import build_lock, check_output_dir
     from lorac.core.errors import LoracError
 
-    from .pipeline import compile_graph
-    if args.cuda_graph and args.target != "cuda":
-        print(f"lorac compile: error: --cuda-graph is for --target cuda, not {args.target}", file=sys.stderr)
+    from .pipeline import FAMILIES, compile_graph, target_module
+    if args.cuda_graph and not hasattr(target_module(args.target), "binds_inputs"):  # the targets that capture graphs
+        graphs = [f for f in FAMILIES if hasattr(target_module(f), "binds_inputs")]
+        print(f"lorac compile: error: --cuda-graph is for --target {' or '.join(graphs)}, not {args.target}",
+              file=sys.stderr)
         return 2
-    target = {"kind": "cuda", "cuda_graph": True} if args.cuda_graph else args.target
+    target = {"kind": args.target, "cuda_graph": True} if args.cuda_graph else args.target
     try:
         check_output_dir(args.out)  # never over a folder lorac did not write
         with build_lock(args.out):  # one builder per artifact directory

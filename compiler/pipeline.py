@@ -15,7 +15,7 @@
 The target modules (targets/<family>) share one small interface: FAMILY, DEVICE,
 GEMM_LIBRARY, DTYPES, tvm_target(request), check_environment(request), prepare(mod),
 relax_passes(target), export(executable, art_dir, target) -> manifest fields; optional:
-pass_config(request), binds_inputs(request) (CUDA graphs: target_cuda), tune(...) (cpu),
+pass_config(request), binds_inputs(request) (CUDA graphs: targets/cuda), tune(...) (cpu),
 native_units(dtype) (the lorac units it maps whole: units.py; the rest are inlined),
 ACCUMULATING_GEMMS (sums of GEMMs as one accumulating call: gemm_sum.py; cuda),
 ARENA_PLAN (the planned tensors in one arena: memory_plan.py; cpu, aarch64, cuda).
@@ -186,7 +186,7 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
 def bind_all_inputs(mod):
     """Mark every parameter of `main` static for RewriteCUDAGraph (Relax attribute num_input
     = 0: no parameter changes between calls), so CUDA graphs may capture work that reads
-    them; the runtime then keeps the inputs at fixed addresses (target_cuda.binds_inputs)."""
+    them; the runtime then keeps the inputs at fixed addresses (compiler/targets/cuda binds_inputs)."""
     mod["main"] = mod["main"].with_attr("num_input", 0)
     return mod
 
@@ -257,9 +257,9 @@ def compile_graph(model, target="cpu", out_dir=None, dtype: str = "float32", tun
     built = _build(proto, tmod, request, dtype, tune, art_dir)
     manifest = _publish(built, key, family, request, tmod, art_dir)
     if verbose:
-        gemm = manifest["gemm"]
+        gemm = manifest.gemm
         print(f"lorac compile: {family} {dtype}: {gemm['dispatched']} GEMMs to the vendor library, "
-              f"{len(gemm['left_to_tvm'])} left to TVM; {manifest['compile_seconds']} s -> {art_dir}")
+              f"{len(gemm['left_to_tvm'])} left to TVM; {manifest.compile_seconds} s -> {art_dir}")
     return art_dir
 
 
@@ -366,18 +366,14 @@ def _publish(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Pa
 def _write_artifact(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Path, stage: Path,
                     t0: float) -> dict:
     files = tmod.export(b.executable, stage, b.tvm_target)
-    manifest = {
-        "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
-        **key,
-        "target": {"family": family, "request": request, "device": tmod.DEVICE,
-                   "tvm": _target_json(b.tvm_target)},
-        "library": files.pop("library"),
-        "inputs": b.inputs, "outputs": b.outputs, "gemm": b.gemm, "units": b.units, "bound_inputs": b.bound,
-        "unit_calls": b.unit_calls,
-        "memory": b.plan,
-        "extra": files,
-        "compile_seconds": {**b.seconds, "export": round(time.perf_counter() - t0, 3)},
-    }
+    request_fields = {k for k in mf.BuildRequest.__dataclass_fields__}
+    manifest = mf.Manifest(
+        graph_sha256=key["graph_sha256"], dtype=key["dtype"], tune=key["tune"],
+        built_by={k: v for k, v in key.items() if k not in request_fields},
+        target=mf.Target(family, request, tmod.DEVICE, _target_json(b.tvm_target)),
+        library=files.pop("library"), inputs=b.inputs, outputs=b.outputs, gemm=b.gemm, units=b.units,
+        bound_inputs=b.bound, unit_calls=b.unit_calls, memory=b.plan, extra=files,
+        compile_seconds={**b.seconds, "export": round(time.perf_counter() - t0, 3)})
     mf.write(stage, manifest)  # with the sha256 of every file, sealed (core/artifact_cache.py)
     mf.publish(stage, art_dir)
     return manifest

@@ -25,7 +25,8 @@ from . import integrity
 from . import locks
 from .errors import LoracError
 
-FORMAT = "lorac-artifact"
+from .manifest import FORMAT, Manifest
+
 MANIFEST = "manifest.json"
 SEAL = "manifest_sha256"
 
@@ -41,6 +42,14 @@ def read_manifest(art_dir) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise LoracError(f"{path}: not a lorac artifact manifest (format {m.get('format') if isinstance(m, dict) else None!r})")
     return m
+
+
+def load_manifest(art_dir) -> tuple[Manifest, bytes | None]:
+    """(the Manifest of a verified entry, the library's bytes as they were verified): what
+    the runtime loads (read_manifest, then verify, then the record)."""
+    raw = read_manifest(art_dir)
+    library = verify(art_dir, raw, read=raw.get("library"))
+    return Manifest.from_json(raw), library
 
 
 def check_output_dir(art_dir) -> None:

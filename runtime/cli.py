@@ -12,24 +12,19 @@ import os
 import re
 import sys
 from dataclasses import MISSING, fields
-from pathlib import Path
 
 from lorac.core.settings import help_of
 
 from . import devices
 from .errors import LoracError
-from .export.onnx import GRAPHS
-from .files import respect_umask
 from .config import TrainConfig
+from .evaluate import cmd_eval, cmd_generate
+from .export.dispatch import FORMATS, cmd_export
+from .export.onnx import GRAPHS
 
 # the spellings of TRL's SFTConfig / transformers' TrainingArguments and PEFT's LoraConfig, as
 # aliases (any flag may also be written with underscores: --learning_rate)
 DEFAULTS = TrainConfig()  # the defaults of every command's shared settings (eval, generate, export)
-
-
-def _saved_targets(tcfg: dict):
-    """A checkpoint's LoRA targets (`targets` in checkpoints written before the rename)."""
-    return tcfg.get("lora_targets") or tcfg.get("targets")
 
 
 ALIASES = {"lr": "--learning-rate", "steps": "--max-steps", "rank": "--lora-r", "alpha": "--lora-alpha",
@@ -145,7 +140,7 @@ def cmd_train(args) -> int:
     import signal
 
     from . import dist as distributed
-    from .train.run import train
+    from .train.loop import train
     cfg = train_config(args)
     if cfg.gpus > 1 and not distributed.under_mpi() and not cfg.compile_only:
         from .dist.launch import launch  # --gpus N: start N workers through mpiexec, each runs this command
@@ -155,169 +150,6 @@ def cmd_train(args) -> int:
         print(json.dumps(summary, indent=1))
     if summary.get("interrupted"):  # a checkpoint was saved; the exit status says the run is not done
         return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
-    return 0
-
-
-def _engine_from_checkpoint(args):
-    """(engine, tokenizer, LoRA, model source) for eval/generate: a checkpoint's model and LoRA, or the base model."""
-    from lorac.graphs import ModelSpec, TrainSpec
-
-    from .train.checkpoint import load_checkpoint
-    from .engine import make_engine
-    from .model.source import resolve_model
-    checked = TrainConfig(target=args.target, backend=args.backend, ort_providers=args.ort_providers)
-    checked.check_backend()  # --target webgpu: --backend ort (config.py)
-    args.target, args.backend = checked.target, checked.backend
-    _check_positive(args, "batch", "seq")
-    lora, tcfg = None, {}
-    if args.checkpoint:
-        ck = load_checkpoint(args.checkpoint)
-        lora, tcfg = ck.lora, ck.state.get("train_config", {})
-    source = resolve_model(args.model or tcfg.get("model"))
-    config, weights, tok = source.load()
-    spec = ModelSpec.from_hf_config(config)
-    seq = args.seq or tcfg.get("seq", DEFAULTS.seq)
-    from . import limits
-    limits.check_context(seq, config, "--seq")
-    if getattr(args, "window", None):
-        limits.check_context(args.window, config, "--window")
-    layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
-    from .train.run import resolve_packing
-    train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=seq,
-                      lora_targets=tuple(_saved_targets(tcfg) or spec.targets), rank=tcfg.get("rank", 1),
-                      alpha=tcfg.get("alpha", 1.0), rslora=tcfg.get("rslora", False), trained_layers=layers,
-                      packing=resolve_packing(getattr(args, "packing", None) or tcfg.get("packing"), spec, args.target))
-    eng = make_engine(args.backend, spec, train, weights, args.target, None, args.cache_dir,
-                      log=lambda m: print(m, file=sys.stderr), providers=args.ort_providers)
-    if lora is None:  # the base model: rank-1 adapters with B = 0 change nothing
-        import numpy as np
-        lora = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
-    return eng, tok, lora, source
-
-
-def _check_positive(args, *names) -> None:
-    """Flags that default to the checkpoint's value: given, each must be a positive number (0
-    or -1 silently meant the default, or an eval over no rows)."""
-    for name in names:
-        v = getattr(args, name, None)
-        if v is not None and not v > 0:
-            raise LoracError(f"--{name} must be positive, got {v}")
-
-
-def cmd_eval(args) -> int:
-    from .data import load_dataset
-    from .train.checkpoint import read_state
-    from .train.report import dropped_rows_warning
-    eng, tok, lora, _ = _engine_from_checkpoint(args)
-    truncate = args.truncate or (args.checkpoint and read_state(args.checkpoint).get("train_config", {}).get("truncate"))
-    data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data,
-                        packing=eng.train.packing, truncate=truncate or "none")
-    warning = dropped_rows_warning(data.describe(), splits=("eval",))
-    if warning:
-        print(warning, file=sys.stderr)
-    total = count = 0.0
-    for b in data.eval_batches(eng.train.batch):
-        n = float((b["labels"][:, 1:] != -100).sum())
-        total += eng.eval_loss(b, lora) * n
-        count += n
-    if not count:  # a loss over nothing is no 0.0
-        raise LoracError(f"{args.data}: no token of it counts in the loss at --seq {eng.train.seq}; nothing to evaluate")
-    print(json.dumps({"eval_loss": total / count, "tokens": int(count)}))
-    return 0
-
-
-def cmd_generate(args) -> int:
-    from .generate import check_sampling, generate, prompt_ids
-    from .generate import model_repetition_penalty
-    given = args.repetition_penalty  # 0 is a value (refused), not "the model's"
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.window, 1.0 if given is None else given,
-                   seed=args.seed)
-    eng, tok, lora, source = _engine_from_checkpoint(args)
-    ids = prompt_ids(tok, args.prompt, chat=not args.raw)
-    penalty = given if given is not None else model_repetition_penalty(source.path) or 1.0
-    new = generate(eng, tok, ids, lora, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.window,
-                   penalty)
-    print(tok.decode(new))
-    return 0
-
-
-def cmd_export(args) -> int:
-    from . import export
-    from .train.checkpoint import load_checkpoint
-    from .model.source import resolve_model
-    if args.format == "onnx":
-        return _export_onnx(args)
-    if not args.checkpoint:
-        raise LoracError(f"--format {args.format} exports a trained adapter: give --checkpoint")
-    ck = load_checkpoint(args.checkpoint)
-    tcfg = ck.state.get("train_config", {})
-    alpha, rslora = tcfg.get("alpha"), tcfg.get("rslora", False)
-    config = ck.state.get("model_config", {})
-    source = resolve_model(args.model or tcfg.get("model"))
-    if args.dtype == "q8_0" and args.format != "gguf-merged":
-        raise LoracError("--dtype q8_0 is for --format gguf-merged")
-    from .export.output import check_destination
-    check_destination(args.out, [source.path, ck.path, args.checkpoint])  # never over what it reads
-    if args.format == "peft":
-        path = export.export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora,
-                                  base_model_name_or_path=source.name, num_hidden_layers=config.get("num_hidden_layers"),
-                                  warn=lambda m: print(m, file=sys.stderr))
-    elif args.format == "merged" and source.path.is_dir() and _quantized_dir(source.path):
-        # a bitsandbytes NF4 base: its weights dequantized through lorac's reference (bit for bit
-        # bitsandbytes' dequantize_4bit), merged, written dense (no quantization_config)
-        config, weights, tok = source.load()
-        config = {k: v for k, v in config.items() if k != "quantization_config"}
-        print(f"the base {source.path} is quantized (bitsandbytes NF4): merging into its dequantized weights",
-              file=sys.stderr)
-        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora,
-                                            tokenizer=tok, dtype=args.dtype or "bfloat16")
-    elif args.format == "merged" and source.path.is_dir():
-        path = export.export_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, dtype=args.dtype)
-    elif args.format == "merged":  # a GGUF base: merge into its dequantized weights, write an HF directory
-        from .model.gguf import float_dtype
-        config, weights, tok = source.load()
-        path = export.export_merged_weights(args.out, weights, config, ck.lora, alpha=alpha, use_rslora=rslora,
-                                            tokenizer=tok, dtype=args.dtype or float_dtype(source.path))
-    elif args.format == "gguf-merged":
-        from .export.gguf_merged import export_gguf_merged
-        qtype = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "q8_0": "Q8_0"}[args.dtype or "float16"]
-        path = export_gguf_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, qtype=qtype)
-    else:
-        path = export.export_gguf(args.out, ck.lora, alpha=alpha, model_config=config, use_rslora=rslora)
-    respect_umask(path)
-    print(f"exported {args.format} to {path}")
-    return 0
-
-
-def _quantized_dir(path) -> bool:
-    from .model.quant import bnb_dir
-    from .model.weights import read_config
-    return bnb_dir.is_bnb(read_config(path), path)
-
-
-def _export_onnx(args) -> int:
-    """The training/eval/forward graph of --checkpoint's run, or of --model with the given settings."""
-    from lorac.graphs import ModelSpec, TrainSpec
-
-    from .train.checkpoint import load_checkpoint
-    from .export.onnx import export_onnx
-    from .model.source import resolve_model
-    _check_positive(args, "batch", "seq", "rank", "alpha")
-    tcfg = load_checkpoint(args.checkpoint).state.get("train_config", {}) if args.checkpoint else {}
-    config = resolve_model(args.model or tcfg.get("model")).config()
-    spec = ModelSpec.from_hf_config(config)
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()] if args.targets is not None else None
-    if targets == []:
-        raise LoracError(f"--targets {args.targets!r} names no LoRA target (leave it out for every linear layer)")
-    targets = targets or _saved_targets(tcfg) or spec.targets
-    layers = TrainConfig(trained_layers=tcfg.get("trained_layers")).layer_range(spec.layers)
-    train = TrainSpec(batch=args.batch or tcfg.get("batch", 1), seq=args.seq or tcfg.get("seq", DEFAULTS.seq),
-                      lora_targets=tuple(targets), rank=args.rank or tcfg.get("rank", DEFAULTS.rank),
-                      alpha=args.alpha or tcfg.get("alpha", DEFAULTS.alpha), rslora=tcfg.get("rslora", False),
-                      trained_layers=layers, packing=args.packing or tcfg.get("packing") or "plain")
-    path = export_onnx(args.out, config, train, args.graph)
-    respect_umask(path)
-    print(f"exported the {args.graph} graph ({train.batch}x{train.seq}, rank {train.rank}) to {path}")
     return 0
 
 
@@ -375,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Export a checkpoint's adapter: PEFT directory, merged HF model, GGUF LoRA "
                                    "adapter for llama.cpp, or a merged GGUF; or the ONNX graph of a model.")
     q.add_argument("--checkpoint", help="checkpoint directory (or OUT/checkpoints); onnx: optional")
-    q.add_argument("--format", choices=("peft", "merged", "gguf", "gguf-merged", "onnx"), default="peft",
+    q.add_argument("--format", choices=FORMATS, default="peft",
                    help="peft (directory), merged (HF directory), gguf (llama.cpp LoRA file), gguf-merged (the GGUF "
                         "base with the LoRA folded in) or onnx (the model's graph, no checkpoint needed); default: peft")
     q.add_argument("--out", required=True, help="output directory (peft, merged) or file (gguf, gguf-merged, onnx); "

@@ -46,7 +46,7 @@ class TrainConfig:
     batch: int = setting(4, "sequences per micro-batch; with --gpus N, of all workers together "
                          "(--per-device-train-batch-size: per worker, as in TRL)")
     seq: int = setting(128, "tokens per sequence")
-    # "auto": isolated where the family has it, plain for Mamba and on cuda (resolve_packing; docs/DATA.md)
+    # "auto": isolated where the family has it, plain for Mamba and on cuda (train/plan.py resolve_packing; docs/DATA.md)
     packing: str = setting("auto", "how documents share a packed row: isolated (each attends only within itself "
                            "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
                            "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "
@@ -190,9 +190,9 @@ class TrainConfig:
             raise LoracError(f"--memory-budget must be a positive number of GB, got {self.memory_budget!r}")
         if not isinstance(self.tune, int) or isinstance(self.tune, bool) or self.tune < 0:
             raise LoracError(f"--tune must be an integer >= 0 (0: no tuning), got {self.tune!r}")
-        if self.tune and (self.backend != "tvm" or self.target not in ("cpu", "cuda")):
-            raise LoracError(f"--tune tunes TVM's kernels for --target cpu or cuda, not --backend {self.backend} "
-                             f"--target {self.target}")
+        if self.tune and (self.backend != "tvm" or self.target not in devices.tuned_targets()):
+            raise LoracError(f"--tune tunes TVM's kernels for --target {' or '.join(devices.tuned_targets())}, not "
+                             f"--backend {self.backend} --target {self.target}")
         if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0:
             raise LoracError(f"--gpus must be an integer >= 0, got {self.gpus!r}")
         if self.gpus > 1 and self.batch % self.gpus:
@@ -232,23 +232,38 @@ class TrainConfig:
         cannot train on is one line here (runtime/devices/), not an error deep inside TVM."""
         if self.backend not in ("tvm", "ort"):
             raise LoracError(f"--backend must be tvm or ort, got {self.backend!r}")
-        devices.for_target(self.target)  # an unknown target: one line naming the known ones
-        # WebGPU trains through onnxruntime's plugin (TVM's webgpu artifacts run in browsers):
-        # --target webgpu is short for --backend ort --ort-providers webgpu, and the reverse
-        if self.target == "webgpu" and not self.compile_only:
-            self.backend = "ort"
-        elif self.backend == "ort" and self.target == CPU and _names_webgpu(self.ort_providers):
-            self.target = "webgpu"
+        device = devices.for_target(self.target)  # an unknown target: one line naming the known ones
+        # a device that trains through onnxruntime only (webgpu: its plugin; TVM's webgpu artifacts
+        # run in browsers): --target webgpu is short for --backend ort --ort-providers webgpu, and
+        # the reverse
+        if device.TRAINS_ON and not self.compile_only:
+            self.backend = device.TRAINS_ON
+        elif self.backend == "ort" and self.target == CPU and devices.named_by_providers(self.ort_providers):
+            device = devices.named_by_providers(self.ort_providers)
+            self.target = device.TARGETS[0]
         if self.backend == "ort":
             if self.compile_only:
                 raise LoracError("--compile-only fills the TVM artifact cache; --backend ort compiles nothing ahead")
-            if self.target == "webgpu":  # the plugin and an adapter, or one line now
-                from .engine.ort_webgpu import check
-                check()
+            device.check_ort()  # webgpu: the plugin and an adapter, or one line now
         elif self.ort_providers:
             raise LoracError("--ort-providers is for --backend ort")
         elif not self.compile_only:
             devices.check_trainable(self.target)
+
+    def train_spec(self, spec, *, workers: int = 1, loss_chunk: int | None = None, extra: dict | None = None,
+                   quant: tuple = ()):
+        """The TrainSpec these settings train `spec` with (the one place a TrainSpec is made from
+        settings: runtime/train/plan.py, eval, generate, export --format onnx): a data-parallel
+        worker's share of --batch; `loss_chunk` as resolved for the device (default --loss-chunk);
+        `extra`: the model family's own options (train_extra); `quant`: the frozen weights held
+        quantized (TrainSpec.quant, from the loaded weights)."""
+        from lorac.graphs import TrainSpec
+        return TrainSpec(batch=self.batch // workers, seq=self.seq, lora_targets=tuple(self.lora_targets or spec.targets),
+                         rank=self.rank, alpha=self.alpha, rslora=self.rslora,
+                         trained_layers=self.layer_range(spec.layers),
+                         checkpointing=self.checkpointing in ("on", "offload"), offload=self.checkpointing == "offload",
+                         keep_layers=self.keep_layers, loss_chunk=self.loss_chunk if loss_chunk is None else loss_chunk,
+                         packing=self.packing, quant=tuple(quant), extra=dict(extra or {}))
 
     def layer_range(self, n_layers: int):
         if not self.trained_layers:
@@ -268,8 +283,3 @@ class TrainConfig:
         if self.quantized_base == "dequantize":
             return False
         return bool(getattr(devices.for_target(self.target), "KEEPS_QUANTIZED", False))
-
-
-def _names_webgpu(providers: str | None) -> bool:
-    """Whether --ort-providers names onnxruntime's WebGPU plugin ("webgpu", "WebGpuExecutionProvider")."""
-    return any(p.strip().lower().removesuffix("executionprovider") == "webgpu" for p in (providers or "").split(","))

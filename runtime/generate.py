@@ -105,7 +105,7 @@ def generate(engine, tokenizer, prompt_ids, lora: dict, max_new_tokens: int = 32
 
 def prompt_ids(tokenizer, text: str, chat: bool = True) -> np.ndarray:
     """Token ids of a user prompt, wrapped in the chat template where the model has one."""
-    from .data import valid_text
+    from .data.encode import valid_text
     valid_text((text,), "the prompt")  # a command line's undecodable bytes arrive as lone surrogates
     if chat and tokenizer.chat_template:
         text = tokenizer.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)

@@ -9,7 +9,7 @@ import pytest
 
 from lorac.runtime.errors import LoracError
 from lorac.runtime.config import TrainConfig
-from lorac.runtime.train.run import train
+from lorac.runtime.train.loop import train
 from tiny_model import make_model_dir
 
 pytest.importorskip("tvm")
@@ -55,7 +55,7 @@ def test_training_starts_from_the_adapter(setup):
     tc = state["train_config"]
     assert (tc["rank"], tc["alpha"], tc["lora_targets"], tc["trained_layers"]) == (4, 8.0, ["q_proj", "v_proj"], "1")
     exported = json.loads((d / "out" / "adapter" / "adapter_config.json").read_text())
-    assert exported["layers_to_transform"] == [1] and exported["r"] == 4
+    assert exported["layers_to_transform"] == [1] and exported["r"] == 4 and exported["lora_alpha"] == 8.0
 
 
 def test_refusals(setup, tmp_path):

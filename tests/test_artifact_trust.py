@@ -182,3 +182,54 @@ def test_manifest_records_every_file_and_is_sealed(built):
     assert m["files"]["lib.so"] == integrity.sha256_file(art / "lib.so")
     assert integrity.seal_ok(m, "manifest_sha256")
     assert np.all([integrity.member(art, n) is not None for n in m["files"]])
+
+
+# a manifest.json as compiler/pipeline.py wrote it before the manifest became a record
+# (core/manifest.py), signature cut to three inputs
+OLD_MANIFEST = {
+    "format": "lorac-artifact", "format_version": 2,
+    "graph_sha256": "8a79634e986106d134aeb45e21c4a15cfa1d91ddfbee629c8b91f8c8069dbfbc",
+    "target": {"family": "cpu", "request": {"kind": "cpu"}, "device": "cpu",
+               "tvm": {"kind": "llvm", "tag": "", "keys": ["cpu"], "mcpu": "rocketlake"}},
+    "dtype": "float32", "tune": 0, "lorac_version": "0.1.0", "tvm_version": "0.27.0.post1",
+    "lorac_source": "9fbf468162c390e7b748ad61c5e6fd3618dcaaf7ddcb7698404d85d02df3a496", "library": "lib.so",
+    "inputs": [{"name": "input_ids", "shape": [4, 64], "dtype": "int64", "relax_name": "input_ids"},
+               {"name": "position_ids", "shape": [4, 64], "dtype": "int64", "relax_name": "position_ids"},
+               {"name": "model.embed_tokens.weight", "shape": [100, 48], "dtype": "float32",
+                "relax_name": "model_embed_tokens_weight"}],
+    "outputs": [{"name": "loss", "shape": [], "dtype": "float32"}],
+    "gemm": {"dispatched": 41, "left_to_tvm": [], "accumulating": []}, "units": [], "bound_inputs": False,
+    "unit_calls": [], "memory": {"static_plan_bytes": 740352, "runtime_allocations": 1}, "extra": {},
+    "compile_seconds": {"import": 0.048, "build": 1.092, "export": 0.371},
+    "files": {"lib.so": "093469e6c417ae655c77e3ca059925e3aa7f1a26610790860bd2bfb071499879"},
+    "manifest_sha256": "efe59d09d5dc3d133336aad6744f910bd35491690c8937c948ea4422cf7056f9"}
+
+
+def test_the_manifest_record_reads_and_writes_the_json_of_before():
+    """Manifest.from_json / to_json: an older manifest.json comes back field for field, in its
+    order, and reads typed; a field it lacks takes its default."""
+    from lorac.compiler import manifest as mf
+    from lorac.core.manifest import Manifest
+    m = Manifest.from_json(OLD_MANIFEST)
+    assert json.dumps(m.to_json()) == json.dumps(OLD_MANIFEST)  # the same text: the same seal
+    assert (m.target.family, m.target.device, m.library, m.static_plan_bytes, m.accumulating) == \
+        ("cpu", "cpu", "lib.so", 740352, [])
+    assert m.key_fields() == {"graph_sha256": OLD_MANIFEST["graph_sha256"], "target": {"kind": "cpu"},
+                              "dtype": "float32", "tune": 0, "lorac_version": "0.1.0", "tvm_version": "0.27.0.post1",
+                              "lorac_source": OLD_MANIFEST["lorac_source"]}
+    key = mf.cache_key(mf.BuildRequest(OLD_MANIFEST["graph_sha256"], {"kind": "cpu"}, "float32"))
+    assert {k: m.key_fields()[k] for k in ("graph_sha256", "target", "dtype", "tune")} == \
+        {k: key[k] for k in ("graph_sha256", "target", "dtype", "tune")}
+    lean = {k: v for k, v in OLD_MANIFEST.items() if k not in ("bound_inputs", "unit_calls", "memory", "gemm")}
+    m = Manifest.from_json(lean)
+    assert (m.bound_inputs, m.unit_calls, m.static_plan_bytes, m.accumulating) == (False, [], 0, [])
+
+
+def test_the_written_manifest_is_the_record_as_json(built):
+    """What compile_graph wrote is Manifest.to_json of what the runtime reads, byte for byte."""
+    from lorac.core.manifest import Manifest
+    _, art = built
+    text = (Path(art) / "manifest.json").read_text()
+    assert text == json.dumps(Manifest.from_json(json.loads(text)).to_json(), indent=1) + "\n"
+    step = load_artifact(art)
+    assert step.manifest.target.device == "cpu" and step.inputs == json.loads(text)["inputs"]

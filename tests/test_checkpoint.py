@@ -242,3 +242,59 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     assert r.stdout.startswith("ERROR cannot write checkpoint") and r.stdout.count("\n") == 1, r.stdout
     assert load_checkpoint(tmp_path).step == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "latest"]
+
+
+# a state.json's train_config as lorac wrote it before TrainConfig.targets became lora_targets,
+# when checkpointing was a switch and before packing, keep_layers, memory_budget and tune existed
+OLD_TRAIN_CONFIG = {
+    "model": None, "data": "corpus.txt", "eval_data": None, "out": "lorac-out", "steps": 40, "batch": 2, "seq": 32,
+    "rank": 4, "alpha": 8.0, "rslora": False, "targets": ["q_proj", "v_proj"], "trained_layers": "1:2",
+    "lr": 0.0002, "loraplus_ratio": 16.0, "warmup": 4, "weight_decay": 0.0, "max_grad_norm": 1.0, "grad_accum": 1,
+    "target": "cpu", "dtype": None, "backend": "tvm", "ort_providers": None, "checkpointing": True, "loss_chunk": 0,
+    "scan_chunk": 0, "eval_every": 10, "eval_batches": 4, "save_every": 20, "keep_checkpoints": 2, "seed": 0,
+    "resume": None, "adapter": None, "cache_dir": ".lorac-cache", "eval_fraction": 0.05, "sample_prompt": None,
+    "sample_tokens": 32, "compile_only": False, "no_cuda_graph": False, "progress": "auto", "report_to": "none",
+    "gpus": 0, "dist_timeout": 600.0, "extra": {}}
+
+
+def test_a_checkpoint_of_an_older_lorac_still_loads(tmp_path, capsys):
+    """SavedRun reads the older spellings (targets, checkpointing true/false, no packing or
+    keep_layers), and the commands that take a checkpoint's settings still take them."""
+    from lorac.graphs import ModelSpec, lora_tensor_names
+    from lorac.runtime.cli import main
+    from lorac.runtime.model.weights import read_config
+    from lorac.runtime.train.plan import plan_graphs
+    from lorac.runtime.train.saved import SavedRun
+    from tiny_model import make_model_dir
+
+    model = make_model_dir(tmp_path / "model")
+    config = read_config(model)
+    saved_state = {"train_config": dict(OLD_TRAIN_CONFIG, model=str(model)), "model_config": config,
+                   "schedule_steps": 40, "data_sha256": "ab" * 32, "updates": 7, "skipped": 0}
+    spec = ModelSpec.from_hf_config(config)
+    from lorac.runtime.config import TrainConfig
+    train = TrainConfig(rank=4, lora_targets=("q_proj", "v_proj"), trained_layers="1:2").train_spec(spec)
+    rng = np.random.default_rng(0)
+    shape = lambda n: (4, spec.proj_shape(n.split(".")[-3])[1]) if ".lora_A." in n else (spec.proj_shape(n.split(".")[-3])[0], 4)
+    lora = {n: rng.standard_normal(shape(n)).astype(np.float32) for n in lora_tensor_names(spec, train)}
+    ck = save_checkpoint(tmp_path / "ck", 7, lora, lora, lora, saved_state)
+
+    saved = SavedRun.read(tmp_path / "ck")
+    assert (saved.path, saved.step, saved.model, saved.batch, saved.seq, saved.rank, saved.alpha) == \
+        (ck, 7, str(model), 2, 32, 4, 8.0)
+    assert (saved.lora_targets, saved.trained_layers, saved.checkpointing, saved.keep_layers, saved.packing) == \
+        (("q_proj", "v_proj"), "1:2", "on", 0, None)
+    assert saved.optimizer == {"lr": 0.0002, "loraplus_ratio": 16.0, "warmup": 4, "weight_decay": 0.0,
+                               "max_grad_norm": 1.0}
+    assert (saved.schedule_steps, saved.data_sha256, saved.model_config) == (40, "ab" * 32, config)
+    # eval/generate's graphs from it: its adapter, no recompute
+    plan = plan_graphs(saved.config(TrainConfig(batch=1, rank=1, alpha=1.0)), spec)
+    assert (plan.train.lora_targets, plan.train.rank, plan.train.alpha, tuple(plan.train.trained_layers)) == \
+        (("q_proj", "v_proj"), 4, 8.0, (1,))
+    assert (plan.train.batch, plan.train.seq, plan.train.checkpointing) == (2, 32, False)
+    # export reads it
+    assert main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "peft")]) == 0
+    adapter = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8.0, ["q_proj", "v_proj"])
+    assert main(["export", "--format", "onnx", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "g.onnx")]) == 0
+    assert "exported the train graph (2x32, rank 4)" in capsys.readouterr().out

@@ -53,7 +53,7 @@ def test_bound_inputs_are_copied_into_the_steps_own_buffers(graph, art):
     _, model = graph
     plain, bound = load_artifact(art, device="cpu"), load_artifact(art, device="cpu")
     bound.bound_inputs = True
-    assert plain.manifest["bound_inputs"] is False
+    assert plain.manifest.bound_inputs is False
     frozen = [s for s in bound.inputs if s["name"] not in ("input_ids", "labels") and ".lora_" not in s["name"]]
     first = random_inputs(model, 2)
     weights = {s["name"]: first[s["name"]] for s in frozen}

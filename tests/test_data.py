@@ -116,7 +116,7 @@ def test_plain_text_paragraphs(tmp_path, tok):
 
 
 def test_long_paragraph_is_cut_without_eos(tmp_path, tok, monkeypatch):
-    import lorac.runtime.data as data
+    import lorac.runtime.data.read as data
     monkeypatch.setattr(data, "MAX_PARAGRAPH", 20)
     p = tmp_path / "long.txt"
     p.write_text("the quick brown fox\njumps over the lazy\ndog\n")
@@ -383,8 +383,8 @@ def test_long_document_is_tokenized_in_pieces_with_the_same_mask(tmp_path, tok, 
     rec = {"prompt": " ".join(words[:1000]) + " ", "completion": " ".join(words[1000:])}
     path = write_jsonl(tmp_path / "l.jsonl", [rec])
     whole = load_dataset(path, tok, seq=32, vocab_size=tok.vocab_size, eval_fraction=0)
-    monkeypatch.setattr(data, "MAX_PIECE", 500)
-    monkeypatch.setattr(data, "ENCODE_CHARS", 2000)
+    monkeypatch.setattr(data.encode, "MAX_PIECE", 500)
+    monkeypatch.setattr(data.encode, "ENCODE_CHARS", 2000)
     pieces = load_dataset(path, tok, seq=32, vocab_size=tok.vocab_size, eval_fraction=0)
     # cuts fall before a blank, where byte-level BPE starts a token anyway: the same tokens
     assert np.array_equal(np.asarray(whole.train.ids), np.asarray(pieces.train.ids))
@@ -394,7 +394,7 @@ def test_long_document_is_tokenized_in_pieces_with_the_same_mask(tmp_path, tok, 
 
 def test_a_line_over_the_limit_is_refused_without_reading_it_whole(tmp_path, tok, monkeypatch):
     import lorac.runtime.data as data
-    monkeypatch.setattr(data, "MAX_LINE", 1 << 20)
+    monkeypatch.setattr(data.read, "MAX_LINE", 1 << 20)
     path = write_jsonl(tmp_path / "big.jsonl", [{"text": "foo"}, {"text": "x" * (3 << 20)}])
     tracemalloc.start()
     with pytest.raises(LoracError, match=r"big\.jsonl:2: line longer than 1 M characters"):

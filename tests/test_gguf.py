@@ -171,6 +171,11 @@ def test_synthetic_gguf_round_trip(tmp_path, arch, qtype):
             qt = gguf.GGMLQuantizationType[qtype]
             ref = quants.dequantize(quants.quantize(ref, qt), qt)
         np.testing.assert_array_equal(loaded[name], ref, err_msg=name)
+    # --compile-only sizes the step from the tensor infos alone: what loading returns, unread
+    from lorac.runtime.model.weights import tensor_infos
+    infos = tensor_infos(path)
+    assert {n: (i.dtype, i.size, i.nbytes) for n, i in infos.items()} == \
+        {n: (a.dtype, a.size, a.nbytes) for n, a in loaded.items()}
 
 
 def test_unsupported_architecture(tmp_path):

@@ -157,3 +157,59 @@ def test_no_import_circles_inside_a_layer(layer):
 def test_the_circle_finder_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+# -- the device decides, not the target's name ---------------------------------------------
+# Outside runtime/devices/ (one module per device) and compiler/targets/ (one per target
+# family) nothing compares a target or device name with a literal: the run resolves the device
+# once (devices.for_target) and asks it (AUTO_CHECKPOINTING, LOSS_CHUNK_BYTES, memory_free, ...,
+# the interface in runtime/devices/__init__.py); the compiler asks the target module.
+BRANCH_FREE = (("runtime", "devices"), ("compiler", "targets"))
+# what must stay, each with its reason in a comment: none today. An entry is "path: the line's code".
+ALLOWED_BRANCHES: set[str] = set()
+
+
+def target_names() -> set[str]:
+    from lorac.compiler import FAMILIES
+    from lorac.runtime import devices
+    return set(FAMILIES) | set(devices.targets()) | set(devices.names())
+
+
+def name_branches(source: str, names: set[str]) -> list[int]:
+    """Lines of `source` that compare something with a literal target/device name: ==, !=,
+    in / not in a literal tuple, list or set holding one, or a `case "cuda":`."""
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names if isinstance(node.value, str) else False
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(named(x) for x in [node.left, *node.comparators]):
+            hits.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and named(node.value):
+            hits.append(node.lineno)
+    return sorted(hits)
+
+
+def test_nothing_outside_the_devices_and_targets_branches_on_a_target_name():
+    names = target_names()
+    hits = []
+    for layer, home in BRANCH_FREE:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            if home in path.relative_to(ROOT / layer).parts[:1]:
+                continue
+            lines = path.read_text().splitlines()
+            for n in name_branches(path.read_text(), names):
+                where = f"{path.relative_to(ROOT)}: {lines[n - 1].strip()}"
+                if where not in ALLOWED_BRANCHES:
+                    hits.append(where)
+    assert not hits, "branches on a target's name (ask the device or target module instead):\n" + "\n".join(hits)
+
+
+def test_the_branch_finder_finds_them():
+    names = {"cpu", "cuda"}
+    probe = ('if cfg.target == "cuda":\n    pass\nx = 1 if t != "cpu" else 2\nok = target in ("cpu", "cuda")\n'
+             'match t:\n    case "cuda":\n        pass\nfine = backend == "tvm" and kind == "llvm"\n')
+    assert name_branches(probe, names) == [1, 3, 4, 6]

@@ -57,7 +57,7 @@ def _compile(tmp_path, name, arena: bool, monkeypatch):
     model = small_training_graph(seq=12)
     art = compile_graph(model, target="cpu", out_dir=tmp_path / name, force=True)
     step = load_artifact(art, "cpu")
-    return step.manifest["memory"]["static_plan_bytes"], step(random_inputs(model))
+    return step.manifest.static_plan_bytes, step(random_inputs(model))
 
 
 def test_arena_plans_less_with_identical_results(tmp_path, monkeypatch):
@@ -132,6 +132,7 @@ def test_gemms_are_bound_where_the_graph_puts_them():
 
 
 def test_memory_summary_adds_plan_weights_and_state():
+    from lorac.core.manifest import Manifest
     from lorac.runtime.engine.tvm import memory_summary
 
     manifest = {"memory": {"static_plan_bytes": 3_000_000_000},
@@ -139,12 +140,12 @@ def test_memory_summary_adds_plan_weights_and_state():
                            {"name": "model.embed_tokens.weight", "shape": [1000, 500], "dtype": "bfloat16"},
                            {"name": "model.norm.weight", "shape": [500], "dtype": "float32"},
                            {"name": "lora_A.param", "shape": [4096], "dtype": "float32"}]}
-    line = memory_summary(manifest, {"x.lora_A.weight": (4, 1000), "x.lora_B.weight": (1000, 4)}, "cuda")
+    line = memory_summary(Manifest.from_json(manifest), {"x.lora_A.weight": (4, 1000), "x.lora_B.weight": (1000, 4)}, "cuda")
     # weights 1000*500*2 + 500*4 bytes; state 4 arrays of 8000 fp32; the LoRA input is not a weight
     assert "activations and workspace 3.0 GB" in line and "frozen weights 0.0 GB" in line
     assert "total 3.0 GB" in line and line.startswith("cuda memory for training")
     big = dict(manifest, inputs=[{"name": "lm_head.weight", "shape": [128256, 4096], "dtype": "bfloat16"}])
-    assert "frozen weights 1.1 GB" in memory_summary(big, {}, "cuda")
+    assert "frozen weights 1.1 GB" in memory_summary(Manifest.from_json(big), {}, "cuda")
 
 
 def _synthetic():

@@ -313,7 +313,7 @@ def test_tvm_cpu_build_matches_onnxruntime(tmp_path):
     from lorac.runtime.engine.artifact import load_artifact
     _, _, model = _small_packed()
     step = load_artifact(compile_graph(model, target="cpu", out_dir=tmp_path / "cpu"), device="cpu")
-    assert step.manifest["units"] == []  # the CPU inlines every attention unit
+    assert step.manifest.units == []  # the CPU inlines every attention unit
     inputs = random_inputs(model, 0)
     inputs["position_ids"] = np.stack([positions_of(4, 5), positions_of(1, 6, 2)])
     out = step(inputs)
@@ -415,7 +415,7 @@ def test_eval_batches_carry_positions(tmp_path, tok):
 
 def test_long_paragraph_cut_into_pieces_stays_one_document(tmp_path, tok, monkeypatch):
     from lorac.runtime import data
-    monkeypatch.setattr(data, "MAX_PARAGRAPH", 40)
+    monkeypatch.setattr(data.read, "MAX_PARAGRAPH", 40)
     (tmp_path / "t.txt").write_text("the quick brown fox jumps over a lazy dog\n" * 4 + "\nfoo bar\n")
     ds = data.load_dataset(tmp_path / "t.txt", tok, seq=512, vocab_size=tok.vocab_size, eval_fraction=0,
                            packing="isolated")
@@ -480,21 +480,24 @@ def test_lorac_train_packing_isolated_end_to_end(tmp_path):
 def test_memory_bound_counts_the_inlined_scores_on_cuda():
     """On CUDA the plain units run on cuDNN (no [S, S] scores); the packed ones are inlined, so
     the lower bound of a step holds one layer's bf16 scores again."""
-    from lorac.runtime import limits
+    from lorac.runtime import devices, limits
     spec = ModelSpec(arch="qwen3", vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)
     kw = dict(batch=4, seq=2048, lora_targets=("q_proj",), rank=4)
-    plain = limits.step_bytes_lower_bound(spec, TrainSpec(**kw), 10 ** 6, target="cuda")
-    packed = limits.step_bytes_lower_bound(spec, TrainSpec(packing="isolated", **kw), 10 ** 6, target="cuda")
+    cuda = devices.for_target("cuda")
+    plain = limits.step_bytes_lower_bound(spec, TrainSpec(**kw), 10 ** 6, cuda)
+    packed = limits.step_bytes_lower_bound(spec, TrainSpec(packing="isolated", **kw), 10 ** 6, cuda)
     assert packed - plain == 2 * 4 * 4 * 2048 * 2048
 
 
 def test_auto_packing_by_family_and_target():
     """auto: isolated where the family has it, plain for Mamba and on cuda (no cuDNN path yet)."""
-    from lorac.runtime.train.run import resolve_packing
+    from lorac.runtime.devices import for_target
+    from lorac.runtime.train.plan import resolve_packing
+    cpu, cuda = for_target("cpu"), for_target("cuda")
     qwen = ModelSpec.from_hf_config(CASES["qwen3-gqa3-odd"][0])
     mamba = ModelSpec.from_hf_config(dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=4,
                                           num_hidden_layers=2, expand=2, conv_kernel=4))
-    assert resolve_packing("auto", qwen, "cpu") == "isolated"
-    assert resolve_packing(None, qwen, "cuda") == "plain"
-    assert resolve_packing("auto", mamba, "cpu") == "plain"
-    assert resolve_packing("isolated", qwen, "cuda") == "isolated"
+    assert resolve_packing("auto", qwen, cpu) == "isolated"
+    assert resolve_packing(None, qwen, cuda) == "plain"
+    assert resolve_packing("auto", mamba, cpu) == "plain"
+    assert resolve_packing("isolated", qwen, cuda) == "isolated"

@@ -282,16 +282,17 @@ def test_cuda_memory_is_checked_against_the_gpu_when_one_is_visible(monkeypatch)
     """On CUDA the lower bound (bf16 weights, no [S, S] attention: cuDNN) is compared with
     the GPU's free memory; a machine without a GPU (compile-only) has nothing to compare."""
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime import limits
+    from lorac.runtime import devices, limits
     from lorac.runtime.errors import LoracError
 
     spec = ModelSpec(arch="qwen3", vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)
     train = TrainSpec(batch=4, seq=2048, lora_targets=("q_proj",), rank=4)
-    cpu = limits.step_bytes_lower_bound(spec, train, 10 ** 6)
-    cuda = limits.step_bytes_lower_bound(spec, train, 10 ** 6, target="cuda")
+    gpu = devices.for_target("cuda")
+    cpu = limits.step_bytes_lower_bound(spec, train, 10 ** 6, devices.for_target("cpu"))
+    cuda = limits.step_bytes_lower_bound(spec, train, 10 ** 6, gpu)
     assert cpu - cuda == 4 * (4 * 4 * 2048 * 2048 + 10 ** 6 // 2)  # the probabilities and half the weights
-    monkeypatch.setattr(limits, "gpu_memory_free", lambda: cuda - 1)
+    monkeypatch.setattr(gpu, "memory_free", lambda: cuda - 1)
     with pytest.raises(LoracError, match="the GPU has"):
-        limits.check_memory(spec, train, 10 ** 6, "cuda")
-    monkeypatch.setattr(limits, "gpu_memory_free", lambda: None)
-    limits.check_memory(spec, train, 10 ** 6, "cuda")
+        limits.check_memory(spec, train, 10 ** 6, gpu)
+    monkeypatch.setattr(gpu, "memory_free", lambda: None)
+    limits.check_memory(spec, train, 10 ** 6, gpu)

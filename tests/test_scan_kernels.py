@@ -119,6 +119,7 @@ def test_cpu_kernels_with_bf16_inputs():
     import tvm
 
     from lorac.compiler.units import scan_kernels as sk
+    from lorac.compiler.units.scan_cpu import backward_cpu, forward_cpu
 
     d = ScanDims(2, 37, 20, 16, 16)
     f = _feeds(d, seed=5)
@@ -126,7 +127,7 @@ def test_cpu_kernels_with_bf16_inputs():
 
     def run(dtype, feeds):
         fwd, bwd = (tvm.compile(tvm.IRModule({"k": make(d, dtype).with_attr("global_symbol", "k")}), target)["k"]
-                    for make in (sk.forward_cpu, sk.backward_cpu))
+                    for make in (forward_cpu, backward_cpu))
         act = lambda n: tvm.runtime.tensor(feeds[n].astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32))
         out = lambda *s: tvm.runtime.tensor(np.zeros(s, np.float32))
         args = [act("u"), act("dt"), tvm.runtime.tensor(feeds["A"].astype(np.float32)), act("Bm"), act("Cm"),
@@ -150,7 +151,7 @@ def test_cpu_kernels_with_bf16_inputs():
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64, 128])
 def test_warp_butterfly_sums_every_value_once(n):
     """The CUDA backward's reduce-scatter of n values over a warp, on numpy lanes."""
-    from lorac.compiler.units.scan_kernels import WARP, butterfly
+    from lorac.compiler.units.scan_gpu import WARP, butterfly
 
     lanes = np.arange(WARP)
     vals = np.random.default_rng(n).standard_normal((n, WARP))  # value k as each lane holds it

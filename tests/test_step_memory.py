@@ -97,18 +97,20 @@ def test_budget_sources():
 
 
 # -- how a run resolves the setting ------------------------------------------------------
-def _resolve(monkeypatch, free=None, **cfg):
+def _resolve(monkeypatch, free=None, saved=None, **cfg):
+    """The plan's choice (train/plan.py choose_checkpointing) as a run holds it: run.cfg,
+    run.train_spec, and the log line."""
     from lorac.runtime import devices
     from lorac.runtime.config import TrainConfig
-    from lorac.runtime.train.run import Run
+    from lorac.runtime.train.plan import choose_checkpointing
 
     monkeypatch.setattr(devices.for_target("cuda"), "memory_free", lambda: free)
     spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
     logs = []
-    run = SimpleNamespace(cfg=TrainConfig(**cfg), train_spec=train, spec=spec, log=logs.append,
-                          dp=SimpleNamespace(size=1))
-    Run._choose_checkpointing(run, 8_030_000_000)
-    return run, logs
+    cfg = TrainConfig(**cfg)
+    cfg, train = choose_checkpointing(cfg, spec, train, (8_030_000_000, 0), devices.for_target(cfg.target), saved=saved,
+                                      dp=SimpleNamespace(size=1), log=logs.append)
+    return SimpleNamespace(cfg=cfg, train_spec=train), logs
 
 
 def test_run_resolves_auto(monkeypatch):
@@ -129,11 +131,11 @@ def test_run_resolves_auto(monkeypatch):
 
 
 def test_resume_adopts_the_checkpoints_setting(monkeypatch):
-    from lorac.runtime.train import checkpoint
+    from lorac.runtime.train.saved import SavedRun
     for saved, want in ((True, ("on", 3)), ("on", ("on", 3)), (False, ("off", 0)), ("off", ("off", 0))):
-        monkeypatch.setattr(checkpoint, "read_state", lambda _p, s=saved: {"train_config": {"checkpointing": s,
-                                                                                            "keep_layers": 3}})
-        run, logs = _resolve(monkeypatch, free=140 * 10**9, target="cuda", resume="ck")
+        state = {"train_config": {"checkpointing": saved, "keep_layers": 3}}  # true/false: when it was a switch
+        run, logs = _resolve(monkeypatch, free=140 * 10**9, saved=SavedRun.from_state(state), target="cuda",
+                             resume="ck")
         assert (run.cfg.checkpointing, run.cfg.keep_layers) == want and "the checkpoint's setting" in logs[0]
 
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from lorac.runtime.train import run as tr
+from lorac.runtime.train import loop as tr
 from lorac.runtime.dist import Single
 
 
@@ -24,6 +24,8 @@ class _Data:
 
 
 class _FailingRun:
+    tokenizer = eval_path = None
+
     def __init__(self, cfg, log):
         self.cfg, self.log, self.dp, self.data, self.engine = cfg, lambda m: None, Single(), _Data(), _Engine()
 
@@ -45,7 +47,7 @@ def test_a_failing_run_closes_its_metrics_and_restores_the_signal_handlers(tmp_p
     monkeypatch.setattr(tr, "Run", _FailingRun)
     monkeypatch.setattr(tr, "Report", Report)
     monkeypatch.setattr(tr, "compile_all", lambda *a: None)
-    monkeypatch.setattr(tr, "graph_kinds", lambda run: [])
+    monkeypatch.setattr(tr, "graph_kinds", lambda *a: [])
     mine = lambda n, f: None  # noqa: E731 - a handler of the caller's, to be given back
     before = {sig: signal.signal(sig, mine) for sig in tr.STOP_SIGNALS}
     try:

@@ -195,6 +195,30 @@ def test_toml_config_supplies_defaults_and_flags_win(workdir, tmp_path):
     assert r.returncode == 2 and "unknown setting(s) stepz" in r.stderr
 
 
+def test_compile_only_reads_no_weight_and_no_data(workdir, trained, monkeypatch):
+    """--compile-only plans from the model's config and its safetensors header alone: it reads
+    no weight and no training data, and its plan is the training run's (every graph it asks for
+    is the one `trained` compiled into the cache, so nothing compiles here)."""
+    from lorac.runtime import data
+    from lorac.runtime.config import TrainConfig
+    from lorac.runtime.model import weights
+    from lorac.runtime.train.loop import train
+
+    def refuse(*_a, **_k):
+        raise AssertionError("--compile-only read a weight or the data")
+    for module, name in ((weights, "load_safetensors"), (weights, "load_model"), (data, "load_dataset")):
+        monkeypatch.setattr(module, name, refuse)
+    logs = []
+    cfg = TrainConfig(model=str(workdir / "model"), data=str(workdir / "corpus.txt"), out=str(workdir / "co"),
+                      steps=30, batch=4, seq=32, lr=2e-3, eval_every=10, save_every=5, cache_dir=str(workdir / "cache"),
+                      lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                      compile_only=True)
+    got = train(cfg, log=logs.append)
+    assert sorted(got["compiled"]) == ["adamw", "eval", "train"]
+    assert all(Path(p).is_dir() for p in got["compiled"].values())
+    assert not [line for line in logs if line.startswith("compiling")], logs
+
+
 def test_dropped_rows_warn_and_truncate_prompt_left_keeps_them(workdir, tmp_path):
     # every other prompt ~90 characters (one token each; the others ~20) before 6-character answers,
     # rows of 32: without truncation a third of the rows hold prompt only, which the run says in one

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lorac.runtime.errors import LoracError
-from lorac.runtime.model.weights import load_hf_dir, load_model, load_safetensors
+from lorac.runtime.model.weights import load_hf_dir, load_model, load_safetensors, tensor_infos
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -43,6 +43,9 @@ def test_hf_round_trip(tmp_path, kind, dtype, shard):
     for name, ref in state.items():
         assert weights[name].dtype == np.float32
         np.testing.assert_array_equal(weights[name], ref.float().numpy(), err_msg=name)
+    # --compile-only sizes the step from the headers alone: what loading returns, unread
+    assert {n: (i.dtype, i.size, i.nbytes) for n, i in tensor_infos(tmp_path).items()} == \
+        {n: (a.dtype, a.size, a.nbytes) for n, a in weights.items()}
 
 
 def test_requested_dtypes(tmp_path):

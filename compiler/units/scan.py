@@ -1,5 +1,6 @@
-"""The Mamba scan units, mapped whole to lorac's own TIR kernels (compiler/units/scan_kernels.py) on the CPU
-and on CUDA (the other targets inline the units' bodies: compiler/units/__init__.py).
+"""The Mamba scan units, mapped whole to lorac's own TIR kernels (compiler/units/scan_kernels.py:
+scan_cpu.py on the CPU, scan_gpu.py on CUDA); the other targets inline the units' bodies
+(compiler/units/__init__.py).
 
     SelectiveScan(u, dt, A, Bm, Cm, D; chunk)              -> y, hs
         call_tir(lorac_scan_fwd_<cpu|cuda>)
@@ -32,11 +33,13 @@ def converters(gpu: bool, narrow: str | None = None) -> dict:
     from lorac.graphs.scan import ScanDims
 
     from . import scan_kernels as sk
+    from .scan_cpu import backward_cpu, forward_cpu
+    from .scan_gpu import backward_gpu, forward_gpu
     from . import unit_converter
 
     kernels: dict = {}
     narrowed: dict = {}
-    fwd_make, bwd_make = (sk.forward_gpu, sk.backward_gpu) if gpu else (sk.forward_cpu, sk.backward_cpu)
+    fwd_make, bwd_make = (forward_gpu, backward_gpu) if gpu else (forward_cpu, backward_cpu)
 
     def kernel(bb, make, d: ScanDims, dtype: str):
         key = (make.__name__, d, dtype)

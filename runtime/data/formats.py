@@ -1,4 +1,4 @@
-"""The record formats people's datasets come in, mapped onto the ones data.py tokenizes.
+"""The record formats people's datasets come in, mapped onto the ones encode.py tokenizes.
 
     alpaca    {"instruction", "input"?, "output", "system"?}  -> a user turn (instruction, then
               the input after a blank line) and the assistant's answer; without a chat template
@@ -6,7 +6,7 @@
     sharegpt  {"conversations": [{"from": "human"|"gpt"|"system", "value"}], "system"?}
               (or {"role", "content"} turns) -> chat messages
 
-Only the answers count in the loss, as for data.py's own prompt/completion and chat records.
+Only the answers count in the loss, as for encode.py's own prompt/completion and chat records.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Data that data.py does not read line by line: Hugging Face `datasets` (a hub dataset id, a
+"""Data that read.py does not read line by line: Hugging Face `datasets` (a hub dataset id, a
 local .parquet or .arrow file, a folder of data files or one written by `save_to_disk`) and
 JSON files holding one array of records (as alpaca_data.json does).
 
@@ -21,7 +21,7 @@ DATASET_SUFFIXES = (".parquet", ".arrow")
 
 
 def is_dataset_source(path: str) -> bool:
-    """Whether --data names something this module reads rather than data.py's line reader."""
+    """Whether --data names something this module reads rather than read.py's line reader."""
     p = Path(path)
     return p.suffix in DATASET_SUFFIXES or p.is_dir() or (not p.exists() and is_repo_id(path)) or _json_array(p)
 

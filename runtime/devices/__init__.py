@@ -1,5 +1,7 @@
-"""Runtime devices, one module each (cpu.py, cuda.py, opencl.py, ...), found from their
-files as the compiler finds its target_*.py: a new device is a new file here.
+"""Runtime devices, one module (or package) each (cpu/, cuda/, opencl.py, ...), found from
+their files as the compiler finds its targets: a new device is a new file here. The run asks
+its device (resolved once, `for_target`) what to do instead of branching on a target's name
+(tests/test_layers.py forbids such branches outside runtime/devices/ and compiler/targets/).
 
 A device module holds:
     NAME           its name: `load_artifact(dir, device=NAME)`, `lorac train --target`
@@ -12,19 +14,49 @@ A device module holds:
                    why `lorac train --target <target>` cannot run on this machine, in one
                    line, or None; asked before anything is loaded or compiled
     open(art_dir, manifest) -> TVM device
-                   make the TVM runtime able to run the artifact there (libraries,
+                   make the TVM runtime able to run the artifact (its manifest: a
+                   lorac.core.manifest.Manifest) there (libraries,
                    kernels, library plans) and return the device, or raise LoracError
-optional:
+optional (a module without one gets the default in OPTIONAL below):
     gemm(ta, tb, a, b, out, accumulate=False)   its GEMM library (runtime/engine/gemm.py)
-    memory_free() -> int | None                 bytes a step may use (runtime/limits.py)
-    CAPTURES_GRAPHS    the training step may run as captured device graphs (CUDA graphs)
-    KEEPS_QUANTIZED    --quantized-base auto keeps a quantized base's blocks here (default False:
-                       dequantized on load)
-    OFFLOADS           --checkpointing offload: checkpointed inputs may wait in host memory
+    gemm_info() -> str | None       one log line naming that library (cpu: which BLAS)
+    memory_free() -> int | None     bytes a step may use: the step's lower bound is checked
+                                    against it (runtime/limits.py), --checkpointing auto fits it
+    memory_info() -> (free, total) | None
+                                    the device's memory now, logged after the first step
+    MEMORY_OF      how an error names that memory ("this machine", "the GPU")
+    AUTO_CHECKPOINTING
+                   `--checkpointing auto` picks the fastest setting whose estimated memory
+                   fits (runtime/train/memory.py); elsewhere auto means off
+    LOSS_CHUNK_BYTES
+                   `--loss-chunk 0`: chunks whose fp32 logits fit this many bytes
+                   (graphs/loss.auto_chunk); None: one chunk
+    FUSED_ATTENTION
+                   attention of plain rows is one fused kernel (cuDNN SDPA) holding no
+                   [S, S] scores; rows packed in isolation are inlined (bf16 scores)
+    ISOLATED_PACKING_FAST
+                   isolated packing runs at plain packing's cost, so `--packing auto`
+                   picks it where the model family has it
+    TUNED_TARGETS  its targets whose kernels `--tune` (MetaSchedule) can measure here
+    CAPTURES_GRAPHS
+                   the training step may run as captured device graphs (CUDA graphs)
+    KEEPS_QUANTIZED
+                   --quantized-base auto keeps a quantized base's blocks here (else
+                   dequantized on load)
+    OFFLOADS       --checkpointing offload: checkpointed inputs may wait in host memory
+    DEVICE_PER_WORKER
+                   data-parallel workers on one host take one device each (select(i))
+    select(index)  make device `index` of this host the one artifacts open on
+    GRAD_ALLREDUCE how data-parallel workers sum gradients: "host" (MPI over numpy
+                   copies) or "nccl" (on the device, runtime/dist/nccl.py)
     ORT_PROVIDERS, ORT_MEMORY
                    `--backend ort`: the execution providers used by default and the
                    onnxruntime device the IO-bound buffers live on (runtime/engine/ort.py)
-    LOSS_CHUNK_BYTES  the default --loss-chunk keeps a chunk's fp32 logits within this
+    TRAINS_ON      the backend `lorac train` uses there whatever --backend says ("ort":
+                   webgpu, through onnxruntime's plugin), or None; such a device is also
+                   the target of `--backend ort --ort-providers <its provider>`
+    check_ort()    one LoracError line now when `--backend ort` cannot run there (webgpu:
+                   the plugin and an adapter)
 Importing a device module imports neither TVM nor any device library.
 """
 from __future__ import annotations
@@ -36,10 +68,29 @@ import pkgutil
 from ..errors import LoracError
 
 
+def _nothing(*_args):
+    return None
+
+
+# the optional part of the interface (module doc) and what a device without it does
+OPTIONAL = {
+    "gemm_info": _nothing, "memory_free": _nothing, "memory_info": _nothing, "MEMORY_OF": "the device",
+    "AUTO_CHECKPOINTING": False, "LOSS_CHUNK_BYTES": None, "FUSED_ATTENTION": False,
+    "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
+    "OFFLOADS": False,
+    "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host", "TRAINS_ON": None,
+    "check_ort": _nothing,
+}
+
+
 @functools.cache
 def _modules() -> tuple:
     found = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
              if not m.name.startswith("_")]
+    for d in found:  # the run asks every device the same questions
+        for key, default in OPTIONAL.items():
+            if not hasattr(d, key):
+                setattr(d, key, default)
     return tuple(sorted(found, key=lambda d: d.ORDER))
 
 
@@ -67,6 +118,19 @@ def for_target(target: str):
         if target in d.TARGETS:
             return d
     raise LoracError(f"unknown target {target!r}: choose one of {', '.join(targets())}")
+
+
+def named_by_providers(providers: str | None):
+    """The device that trains through onnxruntime only (TRAINS_ON "ort") whose own provider
+    --ort-providers names ("webgpu", "WebGpuExecutionProvider"), or None."""
+    short = lambda p: p.strip().lower().removesuffix("executionprovider")  # noqa: E731
+    asked = {short(p) for p in (providers or "").split(",")}
+    return next((d for d in _modules() if d.TRAINS_ON == "ort" and short(d.ORT_PROVIDERS[0]) in asked), None)
+
+
+def tuned_targets() -> tuple[str, ...]:
+    """The targets whose kernels `--tune` can measure (the devices' TUNED_TARGETS)."""
+    return tuple(t for d in _modules() for t in d.TUNED_TARGETS)
 
 
 def of_dlpack(kind: int):

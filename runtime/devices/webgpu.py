@@ -14,6 +14,7 @@ DLPACK = 15  # kDLWebGPU
 DEFAULT_DTYPE = "float32"
 ORT_PROVIDERS = ("WebGpuExecutionProvider", "CPUExecutionProvider")  # the plugin, the CPU as its fallback
 ORT_MEMORY = "webgpu"
+TRAINS_ON = "ort"  # TVM's webgpu artifacts run in browsers: `lorac train` goes through the plugin
 # default --loss-chunk: a chunk's fp32 logits <= 512 MiB, within what WebGPU adapters let one
 # storage buffer binding hold (the spec's default limit is 128 MiB; GPUs raise it, to 4 GiB at most)
 LOSS_CHUNK_BYTES = 1 << 29
@@ -30,3 +31,9 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     from ..errors import LoracError
     raise LoracError(f"device webgpu: {_WHY}; `lorac train --target webgpu` trains through onnxruntime's WebGPU "
                      "plugin instead")
+
+
+def check_ort() -> None:
+    """The WebGPU plugin and an adapter, or one LoracError line (runtime/engine/ort_webgpu.py)."""
+    from ..engine.ort_webgpu import check
+    check()

@@ -124,8 +124,10 @@ def setup(cfg):
         raise LoracError(f"--gpus {cfg.gpus}, but mpiexec started {world.size} workers; give -n {cfg.gpus} or drop --gpus")
     if cfg.batch % world.size:
         raise LoracError(f"--batch {cfg.batch} (the global batch) does not split evenly over {world.size} workers")
-    if cfg.target == "cuda":
-        world.pick_gpu()
+    from .. import devices
+    device = devices.for_target(cfg.target)
+    if device.DEVICE_PER_WORKER:
+        world.pick_device(device)
     _world = world
     return world
 
@@ -264,17 +266,20 @@ class Mpi:
                              "(a bug in lorac's distributed training)")
 
     # -- device ----------------------------------------------------------------------------
-    def pick_gpu(self) -> None:
-        """This worker's GPU: the local rank-th of the host's GPUs. All stay visible (NCCL finds
-        NVLink only between GPUs a process can see); artifact.py reads LORAC_CUDA_DEVICE."""
-        os.environ["LORAC_CUDA_DEVICE"] = str(self.local_rank)
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (docs/DISTRIBUTED.md)
+    def pick_device(self, device) -> None:
+        """This worker's device: the local rank-th of the host's (`device.select`: all stay
+        visible, NCCL finds NVLink only between GPUs a process can see)."""
+        device.select(self.local_rank)
+        if device.GRAD_ALLREDUCE == "nccl":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (docs/DISTRIBUTED.md)
 
     def attach(self, engine) -> None:
         """Make `engine` all-reduce its flat gradient buffers before each optimizer step."""
-        if engine.device == "cuda":
+        from .. import devices
+        device = devices.get(engine.device)
+        if device.GRAD_ALLREDUCE == "nccl":
             from .nccl import NcclReducer
-            self.grad_reducer = NcclReducer(self, int(os.environ.get("LORAC_CUDA_DEVICE", "0")))
+            self.grad_reducer = NcclReducer(self, int(os.environ.get(device.WORKER_DEVICE, "0")))
         else:
             self.grad_reducer = self._reduce_on_host
         engine.grad_reducer = self.grad_reducer

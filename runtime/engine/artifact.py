@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import devices
-from lorac.core.artifact_cache import load_library_bytes, read_manifest, verify
+from lorac.core.artifact_cache import load_library_bytes, load_manifest, read_manifest  # noqa: F401 (benches')
+from lorac.core.manifest import Manifest
 from lorac.core.dtypes import as_dtype as _np_dtype
 from ..errors import LoracError
 
@@ -27,10 +28,10 @@ from ..errors import LoracError
 class Step:
     """One compiled training step: call with a dict of inputs, get a dict of outputs."""
 
-    def __init__(self, vm, manifest: dict, dev, device: str):
+    def __init__(self, vm, manifest: Manifest, dev, device: str):
         self.manifest = manifest
-        self.inputs = manifest["inputs"]
-        self.outputs = manifest["outputs"]
+        self.inputs = manifest.inputs
+        self.outputs = manifest.outputs
         self.device = device
         self._vm = vm
         self._dev = dev
@@ -40,10 +41,10 @@ class Step:
         # ids and labels are range-checked here, where it is cheap
         self._vocab = next((i["shape"][0] for i in self.inputs if i["name"].endswith("embed_tokens.weight")), None)
         # CUDA-graph builds replay the input addresses they captured on the first call
-        # (compiler/target_cuda.binds_inputs): such a step owns one device buffer per input
+        # (compiler/targets/cuda binds_inputs): such a step owns one device buffer per input
         # and copies each call's values in, unless the value already is that buffer (what
         # `upload` returns, so weights uploaded once are never copied again)
-        self.bound_inputs = bool(manifest.get("bound_inputs", False))
+        self.bound_inputs = manifest.bound_inputs
         self._buffers: dict = {}
         self._captured = False
 
@@ -165,21 +166,19 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
     """Load a compiled artifact for `device` (a runtime device: devices.names()); see the module doc."""
     dev_module = devices.get(device)
     art_dir = Path(art_dir)
-    m = read_manifest(art_dir)
     # an artifact is code: every file is checked against the sealed manifest before any of it
     # runs, and the library is loaded from the very bytes that were checked (core/artifact_cache.py)
-    lib_bytes = verify(art_dir, m, read=m.get("library"))
-    target = m.get("target", {})
-    if target.get("device") != device:
-        raise LoracError(f"{art_dir} was compiled for target {target.get('family')} "
-                         f"(runs on {target.get('device')}), not for device {device}")
+    m, lib_bytes = load_manifest(art_dir)
+    if m.target.device != device:
+        raise LoracError(f"{art_dir} was compiled for target {m.target.family} "
+                         f"(runs on {m.target.device}), not for device {device}")
 
     import tvm
     from tvm.runtime import vm as tvm_vm
 
     from . import gemm
     gemm.register()
-    gemm.register_accumulating(m.get("gemm", {}).get("accumulating", []))
+    gemm.register_accumulating(m.accumulating)
     dev = dev_module.open(art_dir, m)
     lib = load_library_bytes(lib_bytes, tvm.runtime.load_module)
     vm = tvm_vm.VirtualMachine(lib, dev)

@@ -36,7 +36,7 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
     """Path of the artifact of graph `key`, emitting (`build()`) and compiling it on a cache miss.
     An entry that fails verification (core/artifact_cache.py) is rebuilt; one builder per entry at a
     time (others wait for it and then find it built). cuda_graph: build with CUDA graphs
-    (inputs bound: compiler/target_cuda.binds_inputs); tune: MetaSchedule trials (compiler/tune.py;
+    (inputs bound: compiler/targets/cuda binds_inputs); tune: MetaSchedule trials (compiler/tune.py;
     the database lands in cache_dir/.lorac-tuning)."""
     tuned = f"-tune{tune}" if tune else ""
     art = Path(cache_dir) / f"{kind}-{target}{'-graph' if cuda_graph else ''}-{dtype}{tuned}-{key[:16]}"
@@ -99,7 +99,7 @@ class Graphs:
 
     def _per_tensor_recipe(self, kind: str):
         """_recipe's graphs as lorac.graphs emits them: one input and one gradient per LoRA tensor."""
-        from lorac.graphs import TrainSpec, build_eval_graph, build_forward_graph, build_training_graph
+        from lorac.graphs import build_eval_graph, build_forward_graph, build_training_graph
         from lorac.graphs.optimizer import build_optimizer_graph
         if kind in ("train", "eval"):
             emit = build_training_graph if kind == "train" else build_eval_graph
@@ -107,11 +107,11 @@ class Graphs:
         if kind == "adamw":  # lr and step are inputs; the graph is built from its key's constants alone
             c = AdamWConstants.of(self.optim_cfg)
             return (lambda: build_optimizer_graph(self.shapes, c)), (self.shapes, c), "float32"
-        # generation: one document a row, so the plain causal graph (no position_ids) is exact
+        # generation: one document a row, so the plain causal graph (no position_ids) is exact;
+        # the same adapter (and quantized weights) at another shape, no backward (no recompute, one
+        # loss chunk)
         b, s = (int(x) for x in kind.split(":")[1].split(","))
-        t = self.train
-        fwd = TrainSpec(batch=b, seq=s, lora_targets=t.lora_targets, rank=t.rank, alpha=t.alpha, rslora=t.rslora,
-                        trained_layers=t.trained_layers, quant=t.quant, extra=t.extra)
+        fwd = replace(self.train, batch=b, seq=s, checkpointing=False, keep_layers=0, loss_chunk=0, packing="plain")
         return (lambda: build_forward_graph(self.spec, fwd)), (self.spec, fwd), self.dtype
 
     @staticmethod

@@ -215,7 +215,7 @@ class OrtEngine(Graphs):
         self.device, self.threads, self.profile = device.NAME, threads, profile
         self.adapter, self._ep_device = None, None
         webgpu = ort_webgpu.EP in self.providers
-        if webgpu != (memory == "webgpu"):
+        if webgpu != (ort_webgpu.EP in device.ORT_PROVIDERS):  # the plugin's buffers are its device's
             raise LoracError("--ort-providers webgpu and --target webgpu go together (the WebGPU plugin keeps "
                              f"its buffers on its device); got --target {target} --ort-providers "
                              f"{','.join(self.providers)}")

@@ -173,15 +173,15 @@ class Engine(Graphs):
         return step({**self._weights, **self._feed(step, lora), "input_ids": ids})["logits"]
 
 
-def memory_summary(manifest: dict, lora_shapes: dict, device: str) -> str:
+def memory_summary(manifest, lora_shapes: dict, device: str) -> str:
     """One line on what a training step holds on its device: the compiled step's static
     plan (activations and workspace), the frozen weights as the artifact takes them, and
     the LoRA tensors with their gradients and AdamW moments (fp32)."""
-    plan = manifest["memory"]["static_plan_bytes"]
+    plan = manifest.static_plan_bytes
     size = lambda i: int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize
-    frozen = sum(size(i) for i in manifest["inputs"] if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
+    frozen = sum(size(i) for i in manifest.inputs if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
     # a quantized weight's inputs are its name plus a suffix (graphs/quant.py): blocks and scales
-    packed = sum(size(i) for i in manifest["inputs"] if ".weight." in i["name"] and "lora_" not in i["name"])
+    packed = sum(size(i) for i in manifest.inputs if ".weight." in i["name"] and "lora_" not in i["name"])
     state = 4 * 4 * sum(int(np.prod(s)) for s in lora_shapes.values())
     gb = lambda n: f"{n / 1e9:.1f} GB"
     quantized = f" + quantized weights {gb(packed)}" if packed else ""

@@ -15,6 +15,7 @@ float32 stays a read-only view, so a large model costs page cache, not heap.
 import json
 import os
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -251,3 +252,57 @@ def load_model(path, dtype=np.float32, quantize=None, keep_quantized=False) -> t
     if not os.path.isdir(path):
         check_regular(path, "model")  # a FIFO or device: refused by what it is
     return load_hf_dir(path, dtype, quantize=quantize, keep_quantized=keep_quantized)
+
+
+class TensorInfo(NamedTuple):
+    """A tensor as load_model would return it, without its data: dtype, size, nbytes."""
+    dtype: np.dtype
+    size: int
+    nbytes: int
+
+
+def tensor_infos(path, dtype=np.float32) -> dict:
+    """{name: TensorInfo} of what load_model(path, dtype) returns for a base held dense (float
+    tensors converted to dtype, integer ones as stored), from the safetensors headers or the
+    GGUF tensor infos: no tensor is read (`--compile-only` sizes its step from these)."""
+    path, dtype = os.fspath(path), as_dtype(dtype)
+    info = lambda dt, n: TensorInfo(dt, n, n * dt.itemsize)  # noqa: E731
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf import architecture, hf_name, metadata, open_gguf
+        reader = open_gguf(path)
+        _, family = architecture(metadata(reader), path)
+        return {hf_name(t.name, family): info(dtype, int(t.n_elements)) for t in reader.tensors}
+    if os.path.isfile(path):
+        raise LoracError(f"{path}: expected an HF model directory or a .gguf file")
+    if not os.path.isdir(path):
+        raise LoracError(f"model directory not found: {path}")
+    out = {}
+    for file, names in _shards(path).items():
+        header = read_safetensors_header(file)[0]
+        for name in header if names is None else names:
+            if name not in header:
+                raise LoracError(f"{file}: tensor {name} is missing")
+            stored = header[name]["dtype"]
+            dt = dtype if stored in ("F64", "F32", "F16", "BF16") else np.dtype(SAFETENSORS_DTYPES[stored])
+            out[name] = info(dt, int(np.prod(header[name]["shape"], dtype=np.int64)))
+    return out
+
+
+def frozen_sizes_of(path) -> tuple[int, int]:
+    """train/memory.frozen_sizes of the weights load_model(path) returns for a base held
+    dense, from headers alone."""
+    from ..train.memory import frozen_sizes
+    return frozen_sizes(tensor_infos(path))
+
+
+def holds_quantized(path, config: dict) -> bool:
+    """Whether the model's file holds quantized weights a run may keep as they are (a
+    bitsandbytes 4-bit directory, a GGUF with quantized blocks): their layout comes from
+    loading them, not from the headers."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf import open_gguf
+        from .quant import gguf_blocks
+        return any(gguf_blocks.kind_of(t.tensor_type) for t in open_gguf(path).tensors)
+    from .quant import bnb_dir
+    return bnb_dir.is_bnb(config, path)

@@ -200,8 +200,10 @@ def read_state(path) -> dict:
     return state
 
 
-def load_checkpoint(path, model_hash: str | None = None, graph_hash: str | None = None) -> Checkpoint:
-    """Read and verify a checkpoint (directory or root with `latest`).
+def load_checkpoint(path, model_hash: str | None = None, graph_hash: str | None = None, *,
+                    optimizer: bool = True) -> Checkpoint:
+    """Read and verify a checkpoint (directory or root with `latest`); with optimizer=False its
+    AdamW moments are verified but not read (m and v empty: eval, generate, export).
 
     Raises LoracError with one line for a missing, corrupt, foreign-format checkpoint or, when
     `model_hash`/`graph_hash` are given, one made for another model or artifact.
@@ -221,9 +223,11 @@ def load_checkpoint(path, model_hash: str | None = None, graph_hash: str | None 
                          f"{str(state.get('graph_hash'))[:12]} != {graph_hash[:12]})")
     try:
         lora = load_file(str(d / "lora.safetensors"))
-        optim = load_file(str(d / "optim.safetensors"))
+        optim = load_file(str(d / "optim.safetensors")) if optimizer else None
     except (OSError, SafetensorError) as e:
         raise LoracError(f"corrupt checkpoint {d}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if optim is None:
+        return Checkpoint(d, state["step"], lora, {}, {}, state)
     m = {k: optim.get(f"{k}.m") for k in lora}
     v = {k: optim.get(f"{k}.v") for k in lora}
     missing = [k for k in lora if m[k] is None or v[k] is None]

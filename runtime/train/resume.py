@@ -19,25 +19,24 @@ from pathlib import Path
 from lorac.core import atomic
 from ..errors import LoracError
 
-def check(ck, cfg, data_digest: str) -> None:
-    """Refuse to resume checkpoint `ck` with other training data or optimizer settings."""
+def check(saved, cfg, data_digest: str) -> None:
+    """Refuse to resume the checkpoint's run `saved` (a SavedRun) with other training data or
+    optimizer settings."""
     from ..config import TrainConfig
-    saved = ck.state.get("train_config") or {}
     for key in TrainConfig.optimizer_settings():
-        old, new = saved.get(key), getattr(cfg, key)
+        old, new = saved.optimizer.get(key), getattr(cfg, key)
         if old is not None and old != new:
             flag = "--" + key.replace("_", "-")
-            raise LoracError(f"--resume {ck.path}: it was trained with {flag} {old}, this run asks for {new}; "
+            raise LoracError(f"--resume {saved.path}: it was trained with {flag} {old}, this run asks for {new}; "
                              "resume with the checkpoint's settings or start a new run")
-    old = ck.state.get("data_sha256")
-    if old is not None and old != data_digest:
-        raise LoracError(f"--resume {ck.path}: the training data differ from the checkpoint's (another --data file, --truncate, "
+    if saved.data_sha256 is not None and saved.data_sha256 != data_digest:
+        raise LoracError(f"--resume {saved.path}: the training data differ from the checkpoint's (another --data file, --truncate, "
                          "tokenizer, --seq or eval split); resume with the same data or start a new run")
 
 
-def schedule_steps(ck, cfg, log) -> int:
+def schedule_steps(saved, cfg, log) -> int:
     """The total steps of the checkpoint's schedule (what lr_at decays over)."""
-    total = ck.state.get("schedule_steps") or (ck.state.get("train_config") or {}).get("steps") or cfg.steps
+    total = saved.schedule_steps or saved.steps or cfg.steps
     if cfg.steps > total:
         log(f"resuming: the learning-rate schedule stays the checkpoint's (cosine to step {total}); "
             f"steps {total + 1}..{cfg.steps} run at its final lr")

@@ -3,6 +3,8 @@ run on an arm64 machine; cross-compiled anywhere). GEMMs on numpy's OpenBLAS or 
 is faster per shape on this machine (runtime/devices/cpu/blas.py)."""
 from __future__ import annotations
 
+import builtins
+import os
 import platform
 from pathlib import Path
 
@@ -15,6 +17,10 @@ DLPACK = 1  # kDLCPU
 DEFAULT_DTYPE = "float32"  # numpy has no bf16 GEMM
 ORT_PROVIDERS = ("CPUExecutionProvider",)
 ORT_MEMORY = "cpu"
+MEMORY_OF = "this machine"
+TUNED_TARGETS = ("cpu",)  # aarch64 is cross-compiled: nothing here can measure its kernels
+# AUTO_CHECKPOINTING, LOSS_CHUNK_BYTES, FUSED_ATTENTION: the defaults (off, one chunk, none):
+# memory is plentiful and the attention is TVM's, so isolated packing costs what plain does
 
 _ARM64 = ("aarch64", "arm64")
 
@@ -34,6 +40,21 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     return tvm.cpu(0)
 
 
+def gemm_info() -> str:
+    from .blas import blas_info
+    return blas_info()
+
+
 def memory_free() -> int | None:
-    from ...limits import available_memory
-    return available_memory()
+    """Bytes of memory available to a new allocation (Linux MemAvailable, else physical), or None."""
+    try:
+        with builtins.open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -19,7 +19,17 @@ KEEPS_QUANTIZED = True
 OFFLOADS = True
 ORT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 ORT_MEMORY = "cuda"
-LOSS_CHUNK_BYTES = 3 << 29  # default --loss-chunk: a chunk's fp32 logits <= 1.5 GiB (graphs/loss.auto_chunk)
+MEMORY_OF = "the GPU"
+TUNED_TARGETS = ("cuda",)  # MetaSchedule measures on this machine's GPU (needs nvcc)
+AUTO_CHECKPOINTING = True  # GPU memory is what bounds a step: fit it (runtime/train/memory.py)
+LOSS_CHUNK_BYTES = 3 << 29  # 1.5 GiB of fp32 logits a chunk bounds the [tokens, vocab] logits
+FUSED_ATTENTION = True  # plain rows' attention runs on cuDNN's fused SDPA (attention.py)
+# isolated rows' attention is not yet on cuDNN (TVM kernels: ~4x the attention time, O(S^2)
+# memory), so --packing auto picks plain here
+ISOLATED_PACKING_FAST = False
+DEVICE_PER_WORKER = True  # a data-parallel worker per GPU of the host
+GRAD_ALLREDUCE = "nccl"  # gradients summed on the GPUs (runtime/dist/nccl.py)
+WORKER_DEVICE = "LORAC_CUDA_DEVICE"  # the GPU a process opens artifacts on (select)
 
 
 def unavailable(target: str) -> str | None:
@@ -33,10 +43,10 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     import os
 
     import tvm
-    dev = tvm.cuda(int(os.environ.get("LORAC_CUDA_DEVICE", "0")))  # a data-parallel worker's GPU
+    dev = tvm.cuda(int(os.environ.get(WORKER_DEVICE, "0")))  # a data-parallel worker's GPU (select)
     if not dev.exist:
         raise LoracError("device cuda requested but no CUDA GPU is visible")
-    calls = {c.get("function") for c in manifest.get("unit_calls", [])}
+    calls = {c.get("function") for c in manifest.unit_calls}
     from . import attention as attention_cuda, offload
     if calls & {attention_cuda.FWD, attention_cuda.BWD}:  # fused attention on cuDNN: plans built now
         attention_cuda.prepare(manifest, dev)
@@ -45,6 +55,30 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     return dev
 
 
+def select(index: int) -> None:
+    """Open artifacts on GPU `index` of this host. All GPUs stay visible (NCCL finds NVLink
+    only between GPUs a process can see)."""
+    import os
+    os.environ[WORKER_DEVICE] = str(index)
+
+
+def memory_info() -> tuple[int, int] | None:
+    """(free, total) bytes on the current CUDA device (cudaMemGetInfo), or None without a usable GPU."""
+    import ctypes
+
+    from ...errors import LoracError
+    try:
+        from .cublas import load_library
+        cudart = load_library("libcudart")
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+            return None
+        return free.value, total.value
+    except (LoracError, OSError, AttributeError):
+        return None
+
+
 def memory_free() -> int | None:
-    from ...limits import gpu_memory_free
-    return gpu_memory_free()
+    """Free bytes on the current CUDA device, or None without a usable GPU (a compile-only box)."""
+    info = memory_info()
+    return info and info[0]

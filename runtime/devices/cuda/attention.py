@@ -126,13 +126,13 @@ def _set_stream(device_index: int) -> None:
         _stream[0] = stream
 
 
-def prepare(manifest: dict, dev) -> None:
+def prepare(manifest, dev) -> None:
     """Build (or find) the cuDNN plan of every attention call the artifact makes, size the
     shared workspace, run each plan once on scratch buffers, and register the functions."""
     import tvm
     import tvm_ffi
 
-    calls = [c for c in manifest.get("unit_calls", []) if c.get("function") in (FWD, BWD)]
+    calls = [c for c in manifest.unit_calls if c.get("function") in (FWD, BWD)]
     if not calls:
         return
     _init()

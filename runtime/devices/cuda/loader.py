@@ -36,9 +36,10 @@ def _ensure_cuda_device_api() -> None:
         raise LoracError(f"cannot load TVM's CUDA runtime ({e}); is the NVIDIA driver installed?") from None
 
 
-def prepare(art_dir: Path, manifest: dict) -> None:
-    """Load the CUDA runtime pieces and register this artifact's fatbin."""
-    extra = manifest.get("extra", {})
+def prepare(art_dir: Path, manifest) -> None:
+    """Load the CUDA runtime pieces and register this artifact's fatbin (`manifest`: a
+    lorac.core.manifest.Manifest)."""
+    extra = manifest.extra
     fatbin = Path(art_dir) / extra.get("cuda_fatbin", "kernels.fatbin")
     if "cuda_source_sha256" not in extra or not fatbin.is_file():
         raise LoracError(f"{art_dir}: CUDA artifact without its compiled kernels ({fatbin.name})")

@@ -72,11 +72,11 @@ def _alloc(nbytes: int, host: bool) -> int:
     return ptr.value
 
 
-def prepare(manifest: dict) -> None:
+def prepare(manifest) -> None:
     """Pinned host buffers per slot, staging, events, the side stream; the functions registered."""
     import tvm_ffi
 
-    calls = [c for c in manifest.get("unit_calls", []) if c.get("function") == OFFLOAD]
+    calls = [c for c in manifest.unit_calls if c.get("function") == OFFLOAD]
     if not calls:
         return
     _init()

@@ -1,0 +1,142 @@
+"""The plan of a run: what it computes and where, decided before any weight or data is read.
+
+From the settings (TrainConfig), the model's spec and config, the sizes of the frozen weights
+(memory.frozen_sizes; from the files' headers where nothing else needs them), the device (resolved once from
+--target: runtime/devices/) and, when resuming, the checkpoint's run (SavedRun), `plan_run`
+decides the packing, the model family's own options, the loss chunk, the activation
+checkpointing and each worker's step (TrainSpec), and refuses sizes that cannot fit. It
+reads no file and compiles nothing; the only thing it asks the machine is the device's free
+memory (--checkpointing auto, the memory check). The run (run.py) loads what the plan
+needs; `lorac eval`, `generate` and `export --format onnx` take their graphs' plan from
+`plan_graphs`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .. import devices, limits
+from ..config import TrainConfig
+from ..errors import LoracError
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: TrainConfig  # the settings as resolved (an adapter's, packing, checkpointing): what checkpoints record
+    spec: object  # lorac.graphs ModelSpec (or a family's spec)
+    train: object  # lorac.graphs TrainSpec: one worker's step
+    device: object  # the device module (runtime/devices/)
+    workers: int = 1  # data-parallel workers the global --batch is split over
+
+    @property
+    def dtype(self) -> str:
+        """What the step computes in on the TVM backend (--dtype, else the device's default)."""
+        return self.cfg.dtype or self.device.DEFAULT_DTYPE
+
+
+def resolve_packing(packing: str | None, spec, device) -> str:
+    """--packing auto (or None) -> "isolated" where the model family implements it and the
+    device runs it at plain packing's cost (ISOLATED_PACKING_FAST); "plain" for Mamba (its
+    conv and scan would need their state reset at document starts: not implemented) and on
+    cuda, where the packed attention is not yet on cuDNN (TVM kernels: ~4x the attention time
+    and O(S^2) memory)."""
+    if packing in (None, "auto"):
+        from lorac.graphs.families import for_spec
+        return "isolated" if for_spec(spec).PACKING_ISOLATED and device.ISOLATED_PACKING_FAST else "plain"
+    return packing
+
+
+def workers_of(cfg: TrainConfig, dp) -> int:
+    """Data parallel: each worker's step takes its share of the global --batch (--compile-only
+    --gpus N, in one process, compiles that step too)."""
+    return dp.size if dp.size > 1 else max(cfg.gpus, 1)
+
+
+def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int], *, quant: tuple = (),
+             adapter=None, saved=None, dp=None, log=None) -> Plan:
+    """The Plan of `lorac train` (module doc). `frozen`: (dense frozen elements, bytes of
+    quantized blocks), train/memory.frozen_sizes; `quant`: the weights held quantized
+    (TrainSpec.quant); `adapter`: the --adapter read (its settings replace the flags it
+    decides); `saved`: the --resume checkpoint's SavedRun; `dp`: the data-parallel workers
+    (dist.current()); `log` hears each choice and why."""
+    from lorac.graphs.families import for_spec
+    log = log or (lambda msg: None)
+    device = devices.for_target(cfg.target)
+    workers = workers_of(cfg, dp) if dp is not None else max(cfg.gpus, 1)
+    if adapter is not None:
+        cfg = replace(cfg, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora, lora_targets=adapter.targets,
+                      trained_layers=adapter.trained_layers(spec.layers))
+        cfg.check_bounds()  # the adapter's alpha, as --alpha's
+    packing = resolve_packing(cfg.packing, spec, device)
+    if packing != cfg.packing:  # checkpoints record what ran
+        cfg = replace(cfg, packing=packing)
+    why = " (documents attend only within themselves)" if packing == "isolated" else " (rows attend across documents)"
+    if packing == "isolated" and not device.ISOLATED_PACKING_FAST:
+        why += "; attention runs as TVM kernels, not cuDNN's (docs/COMPILER.md)"
+    log(f"packing: {packing}{why}")
+    try:  # the family's own options (Mamba's scan chunk)
+        extra = for_spec(spec).train_extra(cfg.target, cfg.scan_chunk)
+    except ValueError as e:
+        raise LoracError(str(e)) from None
+    if "scan_chunk" in extra:
+        log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
+    loss_chunk = cfg.loss_chunk
+    if loss_chunk == 0 and device.LOSS_CHUNK_BYTES:  # bound the [tokens, vocab] logits
+        from lorac.graphs.loss import auto_chunk
+        loss_chunk = auto_chunk(spec.vocab, cfg.batch // workers * cfg.seq, device.LOSS_CHUNK_BYTES)
+        if loss_chunk:
+            log(f"loss chunk: {loss_chunk} tokens ({cfg.target} default: fp32 logits of a chunk <= "
+                f"{device.LOSS_CHUNK_BYTES / 2**30:g} GiB)")
+    train = cfg.train_spec(spec, workers=workers, loss_chunk=loss_chunk, extra=extra, quant=quant)
+    if cfg.checkpointing == "auto":
+        cfg, train = choose_checkpointing(cfg, spec, train, frozen, device, saved=saved, dp=dp, log=log)
+    train.validate(spec)
+    # before any compile: an impossible size would only fill memory
+    limits.check_context(cfg.seq, model_config, "--seq")
+    limits.check_rank(spec, train)
+    limits.check_memory(spec, train, frozen[0], device, frozen[1])
+    return Plan(cfg, spec, train, device, workers)
+
+
+def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int], device, *, saved=None, dp=None,
+                         log=None):
+    """Resolve --checkpointing auto (runtime/train/memory.py) into on/off and --keep-layers,
+    in the settings too (checkpoints record what ran; a resumed run compiles the same graph).
+    Returns (cfg, train)."""
+    from . import memory as step_memory
+    off = False
+    if cfg.resume:  # the checkpoint's graph
+        ckpt, keep, off = saved.checkpointing in ("on", "offload"), saved.keep_layers, saved.checkpointing == "offload"
+        why = f"the checkpoint's setting ({cfg.resume})"
+    elif cfg.keep_layers:
+        ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
+    elif not device.AUTO_CHECKPOINTING or cfg.backend != "tvm":
+        ckpt, keep, why = False, 0, f"auto is off on --target {cfg.target}" if cfg.backend == "tvm" else \
+            "auto is off on --backend ort"
+    else:
+        free = None if cfg.memory_budget is not None else device.memory_free()
+        budget, source = step_memory.budget_from(free, cfg.memory_budget)
+        gather = getattr(dp, "gather", None)
+        if gather is not None and budget is not None:  # every worker compiles the same step
+            budget = int(gather([budget], "the memory budgets").min())
+            source += f", the least of {dp.size} workers"
+        n_weights, packed = frozen
+        choice = step_memory.choose(spec, train, n_weights, cfg.dtype or device.DEFAULT_DTYPE, budget, source, packed,
+                                    offload=device.OFFLOADS)
+        ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
+    off = off and ckpt
+    train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
+    cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+    if log is not None:
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off)} ({why})")
+    return cfg, train
+
+
+def plan_graphs(cfg: TrainConfig, spec) -> Plan:
+    """The Plan of the graphs `lorac eval`, `generate` and `export --format onnx` build from
+    settings (a checkpoint's, SavedRun.config): the settings' step with the packing resolved
+    for --target's device, no recomputation and one loss chunk (nothing to fit: no backward
+    runs, or the graph is exported), and no family options."""
+    device = devices.for_target(cfg.target)
+    cfg = replace(cfg, packing=resolve_packing(cfg.packing, spec, device), checkpointing="off", keep_layers=0)
+    # (a quantized base's layout is the loaded weights': eval and generate hold theirs dense)
+    return Plan(cfg, spec, cfg.train_spec(spec, loss_chunk=0), device)
