@@ -1,6 +1,6 @@
 """QLoRA and offload numerics on a GPU machine, with TVM's runtime alone (no compiler there).
 
-    .venv/bin/python bench/h200_quant_check.py prepare ART_ROOT   # here: compile, CPU references
+    .venv/bin/python bench/h200_quant_check.py prepare ART_ROOT [KIND ...]   # here: compile, CPU references
     python3 bench/h200_quant_check.py device ART_ROOT             # GPU machine: one JSON line a check
     python3 bench/h200_quant_check.py bnb                         # GPU machine, torch + bitsandbytes:
                                                                   # bnb's dequantize_4bit vs lorac's reference
@@ -77,25 +77,35 @@ def inputs(manifest: dict) -> dict:
 
 
 def _finite_gguf(raw: np.ndarray, kind: str) -> np.ndarray:
-    """Random GGUF blocks with their fp16 scales set to small finite values (random bytes would
-    make some inf/NaN): the block layouts' leading halves, as gguf.quants reads them."""
+    """Random GGUF blocks with small finite fp16 scales (random bytes would make some inf/NaN);
+    Q4_K's sub-block scales and mins are set so each sub-block is centred on zero (w = d (sc q - m)
+    with m ~ 7.5 sc), as a real model's are: random ones make every weight positive and the
+    step's gradients ill-conditioned, which a bf16-vs-fp32 comparison cannot judge."""
     from lorac.graphs.quant import GGUF_BLOCKS
     _, nbytes = GGUF_BLOCKS[kind]
     blocks = raw.reshape(-1, nbytes).copy()
     halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (nbytes - 2,), "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}[kind]
-    scale = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    scale = np.frombuffer(np.float16(0.0005 if kind == "Q4_K" else 0.001).tobytes(), np.uint8)
     for at in halves:
         blocks[:, at:at + 2] = scale
+    if kind == "Q4_K":  # bytes 4..15: 6-bit (sc, m) of 8 sub-blocks, as gguf.quants' get_scale_min_k4 reads them
+        sc = 1 + blocks[:, 16:24] % 8  # from the block's own random bytes: 1..8
+        m = np.minimum(np.rint(7.5 * sc), 63).astype(np.uint8)
+        sb = np.zeros((len(blocks), 12), np.uint8)
+        sb[:, 0:4] = sc[:, 0:4]
+        sb[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+        sb[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
+        blocks[:, 4:16] = sb
     return blocks.reshape(raw.shape)
 
 
-def prepare(root: Path) -> None:
+def prepare(root: Path, only=None) -> None:
     from lorac.compiler import compile_graph
     from lorac.graphs import build_training_graph
     from lorac.runtime.engine.artifact import load_artifact
     from lorac.runtime.model.quant import dequantize_weights
     root.mkdir(parents=True, exist_ok=True)
-    for kind in KINDS:
+    for kind in only or KINDS:
         spec, train = _specs(kind)
         art = compile_graph(build_training_graph(spec, train), target={"kind": "cuda", "cuda_graph": True},
                             out_dir=root / f"{kind}-cuda", dtype="bfloat16")
@@ -107,7 +117,7 @@ def prepare(root: Path) -> None:
         out = load_artifact(ref, "cpu")({**rest, **dense})
         np.savez(root / f"{kind}.ref.npz", **out)
         print(kind, "reference loss", float(out["loss"]), flush=True)
-    for off in (False, True):
+    for off in (False, True) if only is None else ():
         spec, train = _specs(None, ckpt=True, offload=off)
         compile_graph(build_training_graph(spec, train), target={"kind": "cuda", "cuda_graph": True},
                       out_dir=root / f"ckpt-{'offload' if off else 'plain'}-cuda", dtype="bfloat16")
@@ -163,8 +173,8 @@ def bnb() -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    if mode == "prepare":
-        prepare(Path(sys.argv[2]))
+    if mode == "prepare":  # prepare ROOT [KIND ...]
+        prepare(Path(sys.argv[2]), sys.argv[3:] or None)
     elif mode == "device":
         device(Path(sys.argv[2]))
     else:
