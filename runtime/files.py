@@ -77,6 +77,19 @@ def open_regular(path, mode: str = "r", what: str = "file", **kw):
         raise
 
 
+def read_json(path, what: str = "JSON file"):
+    """A JSON file's value, read as a regular file; bad JSON (or nesting past Python's stack) is
+    one LoracError line naming the file."""
+    import json
+    try:
+        with open_regular(path, encoding="utf-8", what=what) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoracError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise LoracError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
 # -- writing run files: never through a link ---------------------------------------------------
 def open_run_file(path, append: bool = False):
     """A run file in --out (metrics.jsonl) opened for writing, text mode. A symbolic link, a

@@ -11,7 +11,6 @@ Rows stream (`streaming=True`): memory stays bounded, nothing is written to data
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import LoracError
@@ -47,13 +46,8 @@ def dataset_records(path: str):
 
 
 def _load_json_array(p: Path):
-    try:
-        with open(p, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoracError(f"{p}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise LoracError(f"{p}: not valid JSON (nested too deeply)") from None
+    from ..files import read_json
+    return read_json(p)
 
 
 def _hf_rows(path: str, p: Path):

@@ -6,13 +6,12 @@ Special tokens are added by this wrapper, never by the backend's post-processor,
 rule (`add_bos`) holds whichever source the tokenizer came from.
 """
 
-import json
 import os
 
 import numpy as np
 
 from ..errors import LoracError
-from ..files import check_regular, open_regular
+from ..files import check_regular, open_regular, read_json
 
 
 class Tokenizer:
@@ -137,13 +136,7 @@ def load_hf_tokenizer(model_dir) -> Tokenizer:
 def _read_json(path):
     if not os.path.exists(path):
         return {}
-    try:
-        with open_regular(path, what="JSON file") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoracError(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise LoracError(f"{path}: not valid JSON (nested too deeply)") from None
+    return read_json(path)
 
 
 def load_gguf_tokenizer(path) -> Tokenizer:
