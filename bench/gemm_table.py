@@ -140,7 +140,8 @@ def time_backend(backend: str, shapes: dict, threads: int, reps: int) -> dict:
     for key, s in shapes.items():
         out["gflops"][key] = round(timed(s, reps), 1)
     if backend.startswith("lorac"):  # what lorac chose per shape
-        from lorac.runtime.devices.cpu import blas, choice
+        from lorac.runtime.devices.cpu import blas
+        from lorac.runtime.devices.cpu import choice
         out["plans"] = {}
         for key, s in shapes.items():
             a, b, _ = _operands(s, np)

@@ -22,7 +22,7 @@ CASES = [(2, 1000, 12, 4, 64), (1, 513, 8, 8, 128), (2, 256, 16, 2, 128)]  # B, 
 
 
 def _graph(B, S, H, K, Dh):
-    from lorac.graphs.attention import attention_backward, attention_forward
+    from lorac.graphs.ops.attention import attention_backward, attention_forward
     from lorac.graphs.builder import GraphBuilder
 
     g = GraphBuilder("attention_check")

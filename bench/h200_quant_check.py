@@ -36,7 +36,7 @@ KINDS = {"nf4": dict(kind="nf4", block=64, double=True), "int8": dict(kind="int8
 def _specs(kind: str | None, ckpt: bool = False, offload: bool = False):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
-    from lorac.graphs.quant import Quant
+    from lorac.graphs.ops.quant import Quant
     spec = ModelSpec(**SHAPE)
     fam = for_spec(spec)
     quant = () if kind is None else tuple(sorted(
@@ -81,7 +81,7 @@ def _finite_gguf(raw: np.ndarray, kind: str) -> np.ndarray:
     Q4_K's sub-block scales and mins are set so each sub-block is centred on zero (w = d (sc q - m)
     with m ~ 7.5 sc), as a real model's are: random ones make every weight positive and the
     step's gradients ill-conditioned, which a bf16-vs-fp32 comparison cannot judge."""
-    from lorac.graphs.quant import GGUF_BLOCKS
+    from lorac.graphs.ops.quant import GGUF_BLOCKS
     _, nbytes = GGUF_BLOCKS[kind]
     blocks = raw.reshape(-1, nbytes).copy()
     halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (nbytes - 2,), "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}[kind]

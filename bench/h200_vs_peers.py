@@ -48,7 +48,7 @@ LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interm
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
               "num_attention_heads": 64}
 # name: (config, peer model name, B, S, lorac TrainSpec extras, peer modes); extras "quant": every
-# linear projection's weight quantized so (graphs/quant.py; random blocks), "memory_budget": what
+# linear projection's weight quantized so (graphs/ops/quant.py; random blocks), "memory_budget": what
 # --checkpointing auto picks for `lorac train --memory-budget GB`; a peer mode "fast:MODE" runs
 # shared/bench/peer_fast_gpu.py's MODE (Unsloth; copy it next to this script or set PEER_FAST)
 CASES = {
@@ -102,7 +102,7 @@ PEAK = 790e12
 def _engine(case: str, cache: str, weights=None, tune: int = 0):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
-    from lorac.graphs.loss import auto_chunk
+    from lorac.graphs.ops.loss import auto_chunk
     from lorac.runtime.engine.tvm import Engine
     from lorac.runtime.train.optim import LoraPlusConfig
 
@@ -113,7 +113,7 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0):
     budget = kw.pop("memory_budget", None)
     kind = kw.pop("quant", None)
     if kind:
-        from lorac.graphs.quant import Quant
+        from lorac.graphs.ops.quant import Quant
         q = Quant(kind, 64, True) if kind == "nf4" else Quant(kind)
         kw["quant"] = tuple(sorted((fam.weight_name(i, t), q) for i in range(spec.layers) for t in fam.TARGETS))
     targets = MAMBA_PEER_TARGETS if spec.arch == "mamba" else fam.TARGETS  # what the PEFT peer trains
@@ -130,7 +130,7 @@ def auto_checkpointing(spec, train, budget_gb: float):
     """`train` with the checkpointing `lorac train --memory-budget budget_gb` picks (decoder shapes)."""
     from dataclasses import replace
 
-    from lorac.graphs.quant import quant_inputs
+    from lorac.graphs.ops.quant import quant_inputs
     from lorac.runtime.train import memory as step_memory
     D, L, q, kv = spec.hidden, spec.layers, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     n_weights = spec.vocab * D * (1 if spec.tied else 2) + L * (2 * D * q + 2 * D * kv + 3 * D * spec.intermediate + 2 * D) + D
@@ -214,7 +214,7 @@ def case_engine(cache: str, case: str, tune: int = 0):
         if i["name"] in ("input_ids", "labels") or "lora_" in i["name"]:
             continue
         n = int(np.prod(i["shape"]))
-        if ".weight." in i["name"]:  # a quantized weight's blocks and scales (graphs/quant.py)
+        if ".weight." in i["name"]:  # a quantized weight's blocks and scales (graphs/ops/quant.py)
             weights[i["name"]] = random_quant_input(i["name"], i["shape"], i["dtype"], rng)
             continue
         w = np.ones(n, ml_dtypes.bfloat16) if "norm" in i["name"] else np.resize(block, n)

@@ -28,7 +28,7 @@ MODELS = {"8b": LLAMA3_8B, "06b": QWEN3_06B, "40m": QWEN3_40M, "phi3": PHI3_MINI
 def fit(cache: str, case: str) -> dict:
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
-    from lorac.graphs.loss import auto_chunk
+    from lorac.graphs.ops.loss import auto_chunk
     from lorac.runtime.engine.tvm import Engine
     from lorac.runtime.train.optim import LoraPlusConfig
     from lorac.runtime.train.memory import plan_bytes

@@ -252,7 +252,7 @@ def case(name: str, provider: str, steps: int, profile: str | None, checkpointin
     sys.modules["torch"] = None
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
-    from lorac.graphs.loss import auto_chunk
+    from lorac.graphs.ops.loss import auto_chunk
     from lorac.runtime.engine.ort import OrtEngine
     from lorac.runtime.train.optim import LoraPlusConfig, group_lrs
     from lorac.runtime.train.run import init_lora

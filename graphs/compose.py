@@ -13,9 +13,9 @@ from __future__ import annotations
 import onnx
 
 from .builder import INT64, GraphBuilder
-from .loss import logits_forward, loss_and_grad, loss_only
-from .norm import rmsnorm_backward, rmsnorm_forward
-from .offload import fetch, offload
+from .ops.loss import logits_forward, loss_and_grad, loss_only
+from .ops.norm import rmsnorm_backward, rmsnorm_forward
+from .ops.offload import fetch, offload
 
 
 def family(spec):
@@ -38,7 +38,7 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     for L in layers:
         g.scope = f"L{L.idx}.fwd"
         recomputed = train.recomputes(spec, L.idx) and L.idx >= lowest
-        # with offload, a recomputed layer's input waits in host memory (graphs/offload.py)
+        # with offload, a recomputed layer's input waits in host memory (graphs/ops/offload.py)
         inputs.append(offload(g, x, L.idx) if recomputed and train.offload else x)
         x, s = fam.layer_forward(c, x, L)
         saved.append(None if (recomputed or L.idx < lowest) else s)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import Mask, attention_backward, attention_forward
+from .ops.attention import Mask, attention_backward, attention_forward
 from .builder import GraphBuilder
-from .linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
-from .mlp import swiglu_backward, swiglu_forward
-from .norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward
-from .rope import rope_at, rope_backward, rope_forward, rope_tables
+from .ops.linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
+from .ops.mlp import swiglu_backward, swiglu_forward
+from .ops.norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward
+from .ops.rope import rope_at, rope_backward, rope_forward, rope_tables
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
 
 

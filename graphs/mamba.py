@@ -7,9 +7,9 @@ One layer (HF MambaBlock + MambaMixer, slow path):
     h = rmsnorm(x);  [xs | z] = in_proj(h)                       [N, 2I]
     u = silu(conv1d(xs) + conv_bias)                              [B, S, I]
     [dtr | Bm | Cm] = x_proj(u);  dt = softplus(dt_proj(dtr) + dt_bias)
-    y = scan(u, dt, A = -exp(A_log), Bm, Cm) + D u                (graphs/scan.py)
+    y = scan(u, dt, A = -exp(A_log), Bm, Cm) + D u                (graphs/ops/scan.py)
     x_out = x + out_proj(y * silu(z))
-then norm_f, the (tied) head and the masked CE of graphs/loss.py. LoRA (graphs/linear.py)
+then norm_f, the (tied) head and the masked CE of graphs/ops/loss.py. LoRA (graphs/ops/linear.py)
 on in_proj, x_proj, dt_proj, out_proj. Emission order, the frozen prefix and activation
 checkpointing (recompute a layer's forward from its kept input) are those of decoder.py.
 The scan chunk length is `train.extra["scan_chunk"]` (default DEFAULT_CHUNK; the runtime
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 
 from .builder import GraphBuilder
-from .conv import conv_backward, conv_forward
+from .ops.conv import conv_backward, conv_forward
 from .decoder import embed  # noqa: F401 - the same token embedding (compose.py calls it)
-from .linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
+from .ops.linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
 from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
-from .mlp import swiglu_backward, swiglu_forward
-from .norm import rmsnorm_backward, rmsnorm_forward
-from .scan import ScanDims, scan_backward, scan_forward
+from .ops.mlp import swiglu_backward, swiglu_forward
+from .ops.norm import rmsnorm_backward, rmsnorm_forward
+from .ops.scan import ScanDims, scan_backward, scan_forward
 from .spec import TrainSpec
 
 # the chunked body's FLOPs and transient memory grow with L: 4 was its fastest compiled CPU

@@ -111,7 +111,7 @@ class TrainSpec:
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
     packing: str = "plain"
     # frozen linear weights that arrive quantized: (HF weight name, graphs.quant.Quant) pairs,
-    # sorted; the graph reads their blocks and dequantizes before each GEMM (graphs/quant.py)
+    # sorted; the graph reads their blocks and dequantizes before each GEMM (graphs/ops/quant.py)
     quant: tuple = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 

@@ -65,7 +65,7 @@ class TrainConfig:
         None, "comma-separated LoRA targets (default: every linear layer of the model's family: "
         + "; ".join(f"{','.join(f.TARGETS)} for {'/'.join(f.MODEL_TYPES)}" for f in families.families()) + ")",
         flag="--targets")
-    # QLoRA (graphs/quant.py): the base's linear projections held as quantized blocks, each
+    # QLoRA (graphs/ops/quant.py): the base's linear projections held as quantized blocks, each
     # dequantized just before the GEMMs that read it; "auto": the device's default (runtime/devices/)
     quantize: str | None = setting(None, "quantize the frozen linear projections on load: nf4 (QLoRA's 4-bit "
                                    "NormalFloat in bitsandbytes' layout, block 64, double-quantized absmax) or int8 "

@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from lorac.runtime.devices.cpu import blas, cblas, choice
+from lorac.runtime.devices.cpu import blas
+from lorac.runtime.devices.cpu import cblas
+from lorac.runtime.devices.cpu import choice
 
 SHAPES = [(1, 64, 48, 32), (1, 300, 130, 70), (3, 40, 24, 16), (1, 16, 96, 200)]
 

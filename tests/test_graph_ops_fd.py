@@ -7,13 +7,13 @@ along random directions v, per input.
 import numpy as np
 import pytest
 
-from lorac.graphs.attention import Mask, attention_backward, attention_forward
+from lorac.graphs.ops.attention import Mask, attention_backward, attention_forward
 from lorac.graphs.builder import INT64, GraphBuilder
-from lorac.graphs.linear import Proj, linear_backward, linear_forward, linear_group_forward
-from lorac.graphs.loss import loss_and_grad
-from lorac.graphs.mlp import geglu_backward, geglu_forward, swiglu_backward, swiglu_forward
-from lorac.graphs.norm import rmsnorm_backward, rmsnorm_forward
-from lorac.graphs.rope import rope_backward, rope_forward, rope_tables
+from lorac.graphs.ops.linear import Proj, linear_backward, linear_forward, linear_group_forward
+from lorac.graphs.ops.loss import loss_and_grad
+from lorac.graphs.ops.mlp import geglu_backward, geglu_forward, swiglu_backward, swiglu_forward
+from lorac.graphs.ops.norm import rmsnorm_backward, rmsnorm_forward
+from lorac.graphs.ops.rope import rope_backward, rope_forward, rope_tables
 from oracles import run_ort
 
 EPS = 1e-6

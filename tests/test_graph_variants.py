@@ -116,7 +116,7 @@ def test_onnxruntime_training_autodiff_agrees(tmp_path):
 def test_auto_loss_chunk_bounds_the_logits():
     """CUDA's default loss chunk: a power of two whose fp32 [chunk, V] logits fit 1.5 GiB,
     or one chunk when every token's logits fit."""
-    from lorac.graphs.loss import auto_chunk
+    from lorac.graphs.ops.loss import auto_chunk
     assert auto_chunk(151936, 8 * 1024) == 2048 and auto_chunk(128256, 4 * 2048) == 2048
     assert auto_chunk(32000, 8 * 1024) == 0 and auto_chunk(49152, 4 * 256) == 0
     for vocab, tokens in ((151936, 16384), (256000, 65536), (1000, 10 ** 7)):

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from lorac.graphs.builder import GraphBuilder
-from lorac.graphs.conv import conv_backward, conv_forward
-from lorac.graphs.linear import Proj
+from lorac.graphs.ops.conv import conv_backward, conv_forward
+from lorac.graphs.ops.linear import Proj
 from lorac.graphs.mamba import Ctx, MambaLayer, layer_backward, layer_forward
 from lorac.graphs.mamba_spec import MambaSpec
-from lorac.graphs.scan import ScanDims, scan_backward, scan_forward
+from lorac.graphs.ops.scan import ScanDims, scan_backward, scan_forward
 from lorac.graphs.spec import TrainSpec
 from mamba_oracles import scan_reference
 from oracles import directional_fd, run_ort

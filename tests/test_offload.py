@@ -1,4 +1,4 @@
-"""Activation offload (`--checkpointing offload`, graphs/offload.py): checkpointed inputs wait in
+"""Activation offload (`--checkpointing offload`, graphs/ops/offload.py): checkpointed inputs wait in
 host memory. The graph computes what plain checkpointing computes; the CUDA build maps the
 units to the runtime's copies, and the plan no longer holds the inputs."""
 from __future__ import annotations

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_eval_graph, build_forward_graph, build_training_graph
-from lorac.graphs.attention import attention_backward, attention_forward
+from lorac.graphs.ops.attention import attention_backward, attention_forward
 from lorac.graphs.builder import INT64, GraphBuilder
-from lorac.graphs.rope import rope_at, rope_backward, rope_forward, rope_tables
+from lorac.graphs.ops.rope import rope_at, rope_backward, rope_forward, rope_tables
 from oracles import hf_model, hf_weights, random_lora, rel_err, run_ort
 from test_graph_ops_fd import fd_check
 
@@ -480,7 +480,8 @@ def test_lorac_train_packing_isolated_end_to_end(tmp_path):
 def test_memory_bound_counts_the_inlined_scores_on_cuda():
     """On CUDA the plain units run on cuDNN (no [S, S] scores); the packed ones are inlined, so
     the lower bound of a step holds one layer's bf16 scores again."""
-    from lorac.runtime import devices, limits
+    from lorac.runtime import devices
+    from lorac.runtime import limits
     spec = ModelSpec(arch="qwen3", vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)
     kw = dict(batch=4, seq=2048, lora_targets=("q_proj",), rank=4)
     cuda = devices.for_target("cuda")

@@ -1,4 +1,4 @@
-"""QLoRA: training over a quantized frozen base (graphs/quant.py, runtime/model/quant/).
+"""QLoRA: training over a quantized frozen base (graphs/ops/quant.py, runtime/model/quant/).
 
 The oracles: the quantized step against the dense step run on the dequantized weights (the
 graph's dequantization equals the reference bit for bit, so fp32 on the CPU agrees to the
@@ -37,7 +37,7 @@ def _bnb_dir(tmp: Path, double: bool = True) -> Path:
 
 def _engine(weights, config, cache, quant=True):
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.graphs.quant import detect
+    from lorac.graphs.ops.quant import detect
     from lorac.runtime.engine.tvm import Engine
     from lorac.runtime.train.optim import LoraPlusConfig
     spec = ModelSpec.from_hf_config(config)

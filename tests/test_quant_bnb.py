@@ -13,8 +13,9 @@ torch = pytest.importorskip("torch")
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 
 from conftest import has_cuda_gpu  # noqa: E402
-from lorac.graphs.quant import Quant, detect  # noqa: E402
-from lorac.runtime.model.quant import dequantize_weights, nf4  # noqa: E402
+from lorac.graphs.ops.quant import Quant, detect  # noqa: E402
+from lorac.runtime.model.quant import dequantize_weights
+from lorac.runtime.model.quant import nf4  # noqa: E402
 from test_quant_formats import hf_weights, targets, write_hf_dir  # noqa: E402
 
 # odd shapes: out not a power of two; 4992 blocks of 64 (19.5 nested blocks of 256) and

@@ -1,4 +1,4 @@
-"""Quantized frozen weights (runtime/model/quant, graphs/quant.py's layout), without compiling:
+"""Quantized frozen weights (runtime/model/quant, graphs/ops/quant.py's layout), without compiling:
 the GGUF reference against gguf.quants (random blocks), NF4's
 layout and error bounds, int8, the dict-level helpers, and the loaders' keep/quantize
 options. bitsandbytes' own comparisons need torch: tests/test_quant_bnb.py; the ONNX
@@ -13,10 +13,12 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from lorac.core.errors import LoracError  # noqa: E402
-from lorac.graphs.quant import GGUF_BLOCKS, Quant, detect, quant_inputs  # noqa: E402
+from lorac.graphs.ops.quant import GGUF_BLOCKS, Quant, detect, quant_inputs  # noqa: E402
 from lorac.runtime.model import gguf_quant  # noqa: E402
-from lorac.runtime.model.quant import (dequantize_weights, gguf_blocks, int8, nf4, quantize_targets,  # noqa: E402
-                                       quantize_weights, quantized_bytes, shape_of)
+from lorac.runtime.model.quant import dequantize_weights, quantize_targets, quantize_weights, quantized_bytes, shape_of
+from lorac.runtime.model.quant import gguf_blocks
+from lorac.runtime.model.quant import int8
+from lorac.runtime.model.quant import nf4
 from test_gguf import hf_weights, write_gguf  # noqa: E402
 
 LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

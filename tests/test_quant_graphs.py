@@ -1,4 +1,4 @@
-"""The ONNX dequantizers of graphs/quant.py against the numpy references (runtime/model/quant),
+"""The ONNX dequantizers of graphs/ops/quant.py against the numpy references (runtime/model/quant),
 through onnxruntime (CPU EP: bit for bit) and through a TVM CPU artifact (every value equal,
 bits equal except the sign of a zero: TVM's CPU code returns +0 for some -0), at odd shapes
 and on a projection of the bundled SmolLM2 Q4_1 file; the in-graph fp16 decoding over all
@@ -11,8 +11,9 @@ import onnx_ir as ir
 import pytest
 
 from lorac.graphs.builder import GraphBuilder
-from lorac.graphs.quant import GGUF_BLOCKS, Quant, declare, detect, f16
-from lorac.runtime.model.quant import dense_weight, nf4, quantize_one
+from lorac.graphs.ops.quant import GGUF_BLOCKS, Quant, declare, detect, f16
+from lorac.runtime.model.quant import dense_weight, quantize_one
+from lorac.runtime.model.quant import nf4
 from test_gguf import SMOLLM, needs_smollm
 from test_quant_formats import finite_blocks
 
@@ -155,7 +156,7 @@ def test_float64_graphs_get_the_same_values_in_float64():
 
 @pytest.mark.parametrize("kind", ["nf4", "int8", "Q8_0"])
 def test_training_graph_over_quantized_weights_equals_dense_on_dequantized(kind):
-    """graphs/linear.py reads a quantized weight through these emitters (TrainSpec.quant): the
+    """graphs/ops/linear.py reads a quantized weight through these emitters (TrainSpec.quant): the
     step's loss and LoRA gradients (onnxruntime) equal the dense graph's on the dequantized
     weights exactly."""
     import onnxruntime as ort
@@ -186,7 +187,8 @@ def test_smollm_q4_1_blocks_kept_dequantize_to_the_dense_load(smollm_kept):
     from lorac.graphs.families import llama
     from lorac.runtime.model import gguf_quant
     from lorac.runtime.model.gguf import open_gguf
-    from lorac.runtime.model.quant import gguf_blocks, quantized_bytes, shape_of
+    from lorac.runtime.model.quant import quantized_bytes, shape_of
+    from lorac.runtime.model.quant import gguf_blocks
     config, kept = smollm_kept
     found = detect(kept)
     assert len(found) == 7 * config["num_hidden_layers"] and {q.kind for q in found.values()} == {"Q4_1"}

@@ -282,7 +282,8 @@ def test_cuda_memory_is_checked_against_the_gpu_when_one_is_visible(monkeypatch)
     """On CUDA the lower bound (bf16 weights, no [S, S] attention: cuDNN) is compared with
     the GPU's free memory; a machine without a GPU (compile-only) has nothing to compare."""
     from lorac.graphs import ModelSpec, TrainSpec
-    from lorac.runtime import devices, limits
+    from lorac.runtime import devices
+    from lorac.runtime import limits
     from lorac.runtime.errors import LoracError
 
     spec = ModelSpec(arch="qwen3", vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)

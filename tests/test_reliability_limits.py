@@ -125,7 +125,8 @@ def test_a_compiled_plan_beyond_the_machine_is_refused_before_it_runs(work, tmp_
     """`--batch 100000 --seq 32` passed the lower bound (4 GiB) and TVM's allocation of its 27.7 GB
     plan failed with std::bad_alloc; here the lower bound is passed by construction and the
     machine made small, so the compiled plan (from the cache) is what must refuse."""
-    from lorac.runtime import devices, limits
+    from lorac.runtime import devices
+    from lorac.runtime import limits
     monkeypatch.setattr(limits, "check_memory", lambda *a: None)
     monkeypatch.setattr(devices.get("cpu"), "memory_free", lambda: 1000)
     rc, err = lorac(_train_args(work, tmp_path / "run", 2), capsys, monkeypatch)

@@ -104,7 +104,8 @@ def test_a_link_planted_in_out_is_refused_and_its_target_untouched(work, tmp_pat
 
 def test_run_files_are_never_written_through_a_link(tmp_path):
     """Below the up-front check: each writer of a run file replaces or refuses a link at its name."""
-    from lorac.core import atomic, locks
+    from lorac.core import atomic
+    from lorac.core import locks
     from lorac.runtime.errors import LoracError
     from lorac.runtime.files import open_run_file
     from lorac.runtime.train.plot import plot_metrics

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lorac.graphs.builder import GraphBuilder
-from lorac.graphs.scan import ScanDims, scan_backward, scan_forward
+from lorac.graphs.ops.scan import ScanDims, scan_backward, scan_forward
 from mamba_oracles import scan_reference
 from oracles import run_ort
 

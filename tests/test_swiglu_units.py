@@ -1,4 +1,4 @@
-"""SwiGLU's backward units (graphs/mlp.py, compiler/units/swiglu.py): the kernel's math against
+"""SwiGLU's backward units (graphs/ops/mlp.py, compiler/units/swiglu.py): the kernel's math against
 the graph's formulas, and a bf16 CUDA build reading gate/up once per layer's backward."""
 from __future__ import annotations
 

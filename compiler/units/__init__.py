@@ -49,7 +49,7 @@ _INLINED = re.compile(r"^(\w+)/.*__\d+$")
 # units whose inlined bodies never merge with others: the scan's backward recomputes its
 # forward's [B, C, L, L, I, M] decay block on purpose (kept from the forward it would cost L
 # times the states for every layer: docs/MAMBA.md); SwiGLU's backward computes sigmoid(gate)
-# once per result on purpose (graphs/mlp.py)
+# once per result on purpose (graphs/ops/mlp.py)
 KEPT_APART = ("SelectiveScan", "SelectiveScanGrad", "SwiGLUGrad", "SwiGLUGradAct")
 
 

@@ -1,4 +1,4 @@
-"""The activation-offload units on CUDA (graphs/offload.py): copies to and from host memory.
+"""The activation-offload units on CUDA (graphs/ops/offload.py): copies to and from host memory.
 
     Offload(x) -> token       lorac.offload.<slot>(x, token)    x [N, D] out to pinned host memory
     Fetch(token) -> x'        lorac.fetch.<slot>(token, x')     back, just before the recompute

@@ -8,7 +8,7 @@ scan_cpu.py on the CPU, scan_gpu.py on CUDA); the other targets inline the units
         call_tir(lorac_scan_bwd_<cpu|cuda>) -> du, ddt, dBm and dCm partials [B, P, S, M],
         each partial summed over P (a plain reduction)
 
-Shapes as in graphs/scan.py; `chunk` (L) is the call node's attribute. hs [B, C, I, M] is the
+Shapes as in graphs/ops/scan.py; `chunk` (L) is the call node's attribute. hs [B, C, I, M] is the
 state entering each chunk, the same tensor the body computes, so the backward kernel
 recomputes each chunk's states from it instead of reading B x S x I x M saved states. The
 kernels are added to the module once per shape (every layer calls the same two).
@@ -30,7 +30,7 @@ def converters(gpu: bool, narrow: str | None = None) -> dict:
     of added kernels and one of narrowed values for the whole graph."""
     from tvm import relax
 
-    from lorac.graphs.scan import ScanDims
+    from lorac.graphs.ops.scan import ScanDims
 
     from . import scan_kernels as sk
     from .scan_cpu import backward_cpu, forward_cpu

@@ -3,7 +3,7 @@ scan_kernels.py's. The M states of a channel are the vector lanes; a parallel ta
 group of channels."""
 from __future__ import annotations
 
-from lorac.graphs.scan import ScanDims
+from lorac.graphs.ops.scan import ScanDims
 
 from .scan_kernels import Emit, backward_args, cpu_group, cpu_groups, forward_args, partials
 

@@ -3,7 +3,7 @@ One thread per channel, the M states unrolled into registers; the backward's cha
 reduced over a warp with shuffles (butterfly)."""
 from __future__ import annotations
 
-from lorac.graphs.scan import ScanDims
+from lorac.graphs.ops.scan import ScanDims
 
 from .scan_kernels import GPU_UNROLL, WARP, Emit, backward_args, forward_args, partials
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 
-from lorac.graphs.scan import ScanDims
+from lorac.graphs.ops.scan import ScanDims
 
 CPU_GROUP = 16  # channels a CPU task advances together, one after another, at each step
 CPU_TASKS = 64  # parallel tasks of the CPU backward (each writes a partial of dBm, dCm)

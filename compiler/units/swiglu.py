@@ -1,4 +1,4 @@
-"""SwiGLU's backward units on CUDA bf16, mapped whole to one kernel each (graphs/mlp.py).
+"""SwiGLU's backward units on CUDA bf16, mapped whole to one kernel each (graphs/ops/mlp.py).
 
     SwiGLUGrad(da, gate, up)     -> dgate, dup
     SwiGLUGradAct(da, gate, up)  -> dgate, dup, act = silu(gate) * up
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from lorac.graphs.mlp import SWIGLU_GRAD, SWIGLU_GRAD_ACT
+from lorac.graphs.ops.mlp import SWIGLU_GRAD, SWIGLU_GRAD_ACT
 
 THREADS = 128
 

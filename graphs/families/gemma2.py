@@ -10,8 +10,8 @@ Dh head dim (from the config, not D/H), I intermediate, V vocab.
       x_out = x1 + post_ffw_norm(down(gelu_tanh(gate(h2)) * up(h2))),  h2 = pre_ffw_norm(x1)
     attention: scores (q k^T) / sqrt(query_pre_attn_scalar), soft-capped c tanh(s / c) with
       c = attn_logit_softcapping, then the causal mask, on "sliding_attention" layers (HF's
-      default: the even ones) with the window too (graphs/attention.py Mask)
-    logits = c' tanh(h E^T / c'), c' = final_logit_softcapping (graphs/loss.py)
+      default: the even ones) with the window too (graphs/ops/attention.py Mask)
+    logits = c' tanh(h E^T / c'), c' = final_logit_softcapping (graphs/ops/loss.py)
 The (1 + w) scale is w + 1 formed in the graph from HF's stored w, so norm.py serves as is
 (its backward never differentiates the frozen weight). The backward of a sandwich norm is
 norm.py's backward on the block's output before the residual add.
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
+from ..ops.attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, projection_inputs  # noqa: F401 - the decoders' context (RoPE tables, dims) and doc line
-from ..linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
-from ..mlp import geglu_backward, geglu_forward
-from ..norm import rmsnorm_backward, rmsnorm_forward
-from ..rope import rope_backward, rope_forward
+from ..ops.linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
+from ..ops.mlp import geglu_backward, geglu_forward
+from ..ops.norm import rmsnorm_backward, rmsnorm_forward
+from ..ops.rope import rope_backward, rope_forward
 from ..spec import ModelSpec, count_field, lora_name, number_field
 from . import no_train_extra
 from . import llama

@@ -10,7 +10,7 @@ One layer (HF Phi3DecoderLayer, eval mode: no dropout):
     h2 = rmsnorm(x1); [gate | up] = gate_up_proj(h2)             [N, 2I], gate first
     x_out = x1 + down_proj(silu(gate) * up)
 The backward concatenates the slices' gradients into the fused one, [dq | dk | dv] and
-[dgate | dup], and runs one linear backward (graphs/linear.py) per fused projection: the
+[dgate | dup], and runs one linear backward (graphs/ops/linear.py) per fused projection: the
 LoRA on qkv_proj is one A [r, D] and one B [(H + 2K) Dh, r], as PEFT holds it.
 
 Names: HF model.layers.N.self_attn.{qkv_proj, o_proj}, mlp.{gate_up_proj, down_proj},
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..attention import AttentionSaved, Mask, attention_backward, attention_forward
+from ..ops.attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, embed, gated_mlp_backward, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
 from ..decoder import activation_bytes as _decoder_bytes
-from ..linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
-from ..mlp import swiglu_forward
-from ..norm import rmsnorm_backward, rmsnorm_forward
-from ..rope import rope_backward, rope_forward
+from ..ops.linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
+from ..ops.mlp import swiglu_forward
+from ..ops.norm import rmsnorm_backward, rmsnorm_forward
+from ..ops.rope import rope_backward, rope_forward
 from ..spec import ModelSpec, count_field, number_field
 from . import no_train_extra
 from . import llama

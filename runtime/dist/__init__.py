@@ -56,7 +56,7 @@ def requested_workers(gpus) -> int:
 
 
 def counted_tokens(labels: np.ndarray) -> np.ndarray:
-    """Tokens each row contributes to the loss (graphs/loss.py: labels shift by one, -100 is ignored)."""
+    """Tokens each row contributes to the loss (graphs/ops/loss.py: labels shift by one, -100 is ignored)."""
     return (labels[:, 1:] != IGNORE).sum(axis=1)
 
 

@@ -180,7 +180,7 @@ def memory_summary(manifest, lora_shapes: dict, device: str) -> str:
     plan = manifest.static_plan_bytes
     size = lambda i: int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize
     frozen = sum(size(i) for i in manifest.inputs if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
-    # a quantized weight's inputs are its name plus a suffix (graphs/quant.py): blocks and scales
+    # a quantized weight's inputs are its name plus a suffix (graphs/ops/quant.py): blocks and scales
     packed = sum(size(i) for i in manifest.inputs if ".weight." in i["name"] and "lora_" not in i["name"])
     state = 4 * 4 * sum(int(np.prod(s)) for s in lora_shapes.values())
     gb = lambda n: f"{n / 1e9:.1f} GB"

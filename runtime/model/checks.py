@@ -40,8 +40,8 @@ def check_weights(config, weights, source):
         # (each layer holds at least one tensor: a larger count cannot match these weights)
         raise LoracError(f"{source}: config num_hidden_layers={layers!r} does not fit the {len(weights)} tensors "
                          "of the weights (a positive integer expected)")
-    from lorac.graphs.quant import detect
-    quantized = detect(weights)  # a quantized weight is held under suffixed keys (graphs/quant.py)
+    from lorac.graphs.ops.quant import detect
+    quantized = detect(weights)  # a quantized weight is held under suffixed keys (graphs/ops/quant.py)
     need = required_tensors(config)
     missing = [n for n in need if n not in weights and n not in quantized]
     if missing:

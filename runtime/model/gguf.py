@@ -110,7 +110,8 @@ def load_gguf(path, dtype=np.float32, quantize=None, keep_quantized=False) -> tu
     except, with keep_quantized, the LoRA targets' weights in Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K:
     those stay the file's blocks (`name.<TYPE>`, runtime/model/quant/gguf_blocks.py).
     quantize ("nf4", "int8") then quantizes the targets that are dense."""
-    from .quant import gguf_blocks, quantize_targets, target_names
+    from .quant import quantize_targets, target_names
+    from .quant import gguf_blocks
     reader = open_gguf(path)
     meta = metadata(reader)
     config = gguf_config(reader, path, meta)

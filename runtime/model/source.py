@@ -23,7 +23,7 @@ class ModelSource:
 
     def load(self, quantize: str | None = None, keep_quantized: bool = False):
         """(HF config dict, frozen weights by HF name, Tokenizer). keep_quantized: a quantized
-        base's linear projections stay in their blocks (graphs/quant.py names them); quantize:
+        base's linear projections stay in their blocks (graphs/ops/quant.py names them); quantize:
         "nf4" or "int8" quantizes a dense base's projections on load."""
         from .tokenizer import load_tokenizer
         from .weights import load_model

@@ -111,9 +111,10 @@ def load_hf_dir(model_dir, dtype=np.float32, quantize=None, keep_quantized=False
 
     A bitsandbytes 4-bit NF4 checkpoint (config.json quantization_config) has its quantized
     weights dequantized to dtype through the reference (quant/nf4.py), or with keep_quantized
-    its LoRA targets' weights kept as nf4 arrays (lorac.graphs.quant layout). quantize="nf4" or
+    its LoRA targets' weights kept as nf4 arrays (lorac.graphs.ops.quant layout). quantize="nf4" or
     "int8" quantizes the targets' dense weights on load (quant.quantize_targets)."""
-    from .quant import bnb_dir, quantize_targets
+    from .quant import quantize_targets
+    from .quant import bnb_dir
     if not os.path.isdir(model_dir):
         raise LoracError(f"model directory not found: {model_dir}")
     config = read_config(model_dir)
@@ -188,7 +189,8 @@ def _load_bnb(shards: dict, config: dict, dtype, keep_quantized: bool, source) -
     """A bitsandbytes 4-bit checkpoint's tensors: quantization state read as float32, the rest
     in dtype; then each quantized weight kept as nf4 arrays (the LoRA targets, when asked) or
     dequantized (quant/bnb_dir.py)."""
-    from .quant import bnb_dir, target_names
+    from .quant import target_names
+    from .quant import bnb_dir
     shards = {path: list(read_safetensors_header(path)[0]) if names is None else names for path, names in shards.items()}
     state = bnb_dir.float32_names([n for names in shards.values() for n in names])  # a weight's state may span shards
     tensors = {}

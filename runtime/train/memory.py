@@ -81,7 +81,7 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
         return None
     full, lean, recomputed, backward = per
     T = train.batch * train.seq
-    if getattr(train, "offload", False):  # a recomputed layer's input waits in host memory (graphs/offload.py)
+    if getattr(train, "offload", False):  # a recomputed layer's input waits in host memory (graphs/ops/offload.py)
         recomputed = max(recomputed - itemsize * spec.hidden, 0)
     kept = [full if not train.checkpointing else recomputed if train.recomputes(spec, layer) else lean
             for layer in sorted(train.layers(spec))]
@@ -96,7 +96,7 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
 
 def frozen_sizes(weights: dict) -> tuple[int, int]:
     """(elements of the dense frozen weights and biases, which the device holds in the compute
-    dtype; bytes of everything else: quantized blocks and their scales (graphs/quant.py), which
+    dtype; bytes of everything else: quantized blocks and their scales (graphs/ops/quant.py), which
     keep their own dtype on every device)."""
     dense = packed = 0
     for name, w in weights.items():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .. import devices, limits
+from .. import devices
+from .. import limits
 from ..config import TrainConfig
 from ..errors import LoracError
 
@@ -81,7 +82,7 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
         log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
     loss_chunk = cfg.loss_chunk
     if loss_chunk == 0 and device.LOSS_CHUNK_BYTES:  # bound the [tokens, vocab] logits
-        from lorac.graphs.loss import auto_chunk
+        from lorac.graphs.ops.loss import auto_chunk
         loss_chunk = auto_chunk(spec.vocab, cfg.batch // workers * cfg.seq, device.LOSS_CHUNK_BYTES)
         if loss_chunk:
             log(f"loss chunk: {loss_chunk} tokens ({cfg.target} default: fp32 logits of a chunk <= "

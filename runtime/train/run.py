@@ -21,7 +21,7 @@ from .report import data_lines
 
 def _quantized(weights: dict, log) -> tuple:
     """TrainSpec.quant of the loaded weights (their quantized projections), logged in one line."""
-    from lorac.graphs.quant import detect
+    from lorac.graphs.ops.quant import detect
     quant = tuple(sorted(detect(weights).items()))
     if quant:
         kinds = sorted({q.kind for _, q in quant})

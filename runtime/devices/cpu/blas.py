@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import cblas, choice
+from . import cblas
+from . import choice
 
 _SPLIT_FLOPS = 8e6  # below this a GEMM runs whole: a thread hand-off costs ~20 us
 _pool: ThreadPoolExecutor | None = None

@@ -47,7 +47,8 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     if not dev.exist:
         raise LoracError("device cuda requested but no CUDA GPU is visible")
     calls = {c.get("function") for c in manifest.unit_calls}
-    from . import attention as attention_cuda, offload
+    from . import attention as attention_cuda
+    from . import offload
     if calls & {attention_cuda.FWD, attention_cuda.BWD}:  # fused attention on cuDNN: plans built now
         attention_cuda.prepare(manifest, dev)
     if offload.OFFLOAD in calls:  # offloaded checkpoints: pinned buffers and staging made now

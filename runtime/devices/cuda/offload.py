@@ -1,6 +1,6 @@
 """Activation offload on CUDA: checkpointed layers' kept inputs wait in pinned host memory.
 
-The compiler maps the graph's Offload / Fetch units (graphs/offload.py) to two functions a
+The compiler maps the graph's Offload / Fetch units (graphs/ops/offload.py) to two functions a
 slot (a layer), registered here when the artifact loads (compiler/units/offload.py):
 
     lorac.offload.<slot>(x, token)   x -> device staging (a copy on TVM's stream), then staging ->

@@ -1,5 +1,5 @@
 """Quantized frozen weights in a weights dict (QLoRA): each quantized weight `name` is held
-as the suffixed arrays lorac.graphs.quant lays out (`name.nf4` ..., `name.int8` ...,
+as the suffixed arrays lorac.graphs.ops.quant lays out (`name.nf4` ..., `name.int8` ...,
 `name.Q4_K`), never as `name`; everything else stays a dense array.
 
 Formats and their references: nf4.py (bitsandbytes NF4), int8.py (per-channel int8),
@@ -12,9 +12,11 @@ import numpy as np
 
 from lorac.core.dtypes import as_dtype
 from lorac.core.errors import LoracError
-from lorac.graphs.quant import GGUF_BLOCKS, NF4_DOUBLE, Quant, detect
+from lorac.graphs.ops.quant import GGUF_BLOCKS, NF4_DOUBLE, Quant, detect
 
-from . import gguf_blocks, int8, nf4
+from . import gguf_blocks
+from . import int8
+from . import nf4
 
 QUANTIZE_KINDS = ("nf4", "int8")  # what `quantize=` makes of a dense weight on load
 

@@ -1,5 +1,5 @@
 """GGUF (llama.cpp) quantized weights kept in their own blocks: `name.<TYPE>` uint8
-[out, in/QK * block_bytes], the file's rows of blocks (lorac.graphs.quant), and their
+[out, in/QK * block_bytes], the file's rows of blocks (lorac.graphs.ops.quant), and their
 reference dequantization, `gguf.quants.dequantize`.
 
 A row of a weight is a whole number of blocks, so what a family changes in a loaded tensor's
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from lorac.core.errors import LoracError
-from lorac.graphs.quant import GGUF_BLOCKS
+from lorac.graphs.ops.quant import GGUF_BLOCKS
 
 
 def kind_of(ggml_type) -> str | None:
@@ -54,7 +54,7 @@ SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0
 
 def check_scales(blocks: np.ndarray, kind: str, name: str) -> None:
     """A LoracError naming the tensor when a block's fp16 scale is inf or NaN (a corrupt file:
-    the graph's fp16 decoding, lorac.graphs.quant.f16, is exact for finite values only)."""
+    the graph's fp16 decoding, lorac.graphs.ops.quant.f16, is exact for finite values only)."""
     nbytes = GGUF_BLOCKS[kind][1]
     per_block = blocks.reshape(-1, nbytes)
     for at in SCALES[kind]:

@@ -1,7 +1,7 @@
 """NF4 (4-bit NormalFloat) as bitsandbytes stores it: the reference quantizer and dequantizer
 in numpy, and the reading of pre-quantized `*-bnb-4bit` checkpoints.
 
-Layout (lorac.graphs.quant): `name.nf4` uint8 [out, in/2] (element 2k in the high nibble of
+Layout (lorac.graphs.ops.quant): `name.nf4` uint8 [out, in/2] (element 2k in the high nibble of
 byte k, as bnb packs the flattened weight), `name.nf4_code` float32 [16], and `name.absmax`
 float32 [n_blocks], or, double-quantized, `name.absmax_q` uint8 [n_blocks] with
 `name.absmax_code` [256], `name.absmax_scale` [ceil(n_blocks/256)], `name.absmax_offset` [1].
@@ -26,7 +26,7 @@ import json
 import numpy as np
 
 from lorac.core.errors import LoracError
-from lorac.graphs.quant import NESTED, Quant, check_shape
+from lorac.graphs.ops.quant import NESTED, Quant, check_shape
 
 # bitsandbytes' NF4 code (functional.get_4bit_type("nf4")): float32 of its float64 table
 NF4_CODE = np.array([

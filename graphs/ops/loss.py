@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .builder import INT32
+from ..builder import INT32
 
 IGNORE = -100
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .builder import INT32
+from ..builder import INT32
 
 MASKED = -1e30  # finite: exp underflows to exactly 0, and no inf-inf NaNs in any dtype
 
