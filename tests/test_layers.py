@@ -213,3 +213,13 @@ def test_the_branch_finder_finds_them():
     probe = ('if cfg.target == "cuda":\n    pass\nx = 1 if t != "cpu" else 2\nok = target in ("cpu", "cuda")\n'
              'match t:\n    case "cuda":\n        pass\nfine = backend == "tvm" and kind == "llvm"\n')
     assert name_branches(probe, names) == [1, 3, 4, 6]
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists lorac's packages by hand (package-dir maps them to the top folders):
+    a new sub-package missing there installs from a clone but not from the wheel."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    have = {"lorac"} | {".".join(["lorac", *d.parent.relative_to(ROOT).parts])
+                        for layer in LAYERS for d in (ROOT / layer).rglob("__init__.py")}
+    assert not have - listed, f"packages missing from pyproject.toml: {sorted(have - listed)}"
