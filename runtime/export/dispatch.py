@@ -17,6 +17,7 @@ ONNX_DEFAULTS = TrainConfig(batch=1, packing="plain")
 def cmd_export(args) -> int:
     from . import export_gguf, export_merged, export_merged_weights, export_peft
     from ..model.source import resolve_model
+    from ..model.weights import holds_quantized
     from ..train.checkpoint import load_checkpoint
     from ..train.saved import SavedRun
     from .output import check_destination
@@ -34,7 +35,7 @@ def cmd_export(args) -> int:
     if args.format == "peft":
         path = export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora, base_model_name_or_path=source.name,
                            num_hidden_layers=config.get("num_hidden_layers"), warn=lambda m: print(m, file=sys.stderr))
-    elif args.format == "merged" and source.path.is_dir() and _quantized_dir(source.path):
+    elif args.format == "merged" and source.path.is_dir() and holds_quantized(source.path, source.config()):
         # a bitsandbytes NF4 base: its weights dequantized through lorac's reference (bit for bit
         # bitsandbytes' dequantize_4bit), merged, written dense (no quantization_config)
         config, weights, tok = source.load()
@@ -59,12 +60,6 @@ def cmd_export(args) -> int:
     respect_umask(path)
     print(f"exported {args.format} to {path}")
     return 0
-
-
-def _quantized_dir(path) -> bool:
-    from ..model.quant import bnb_dir
-    from ..model.weights import read_config
-    return bnb_dir.is_bnb(read_config(path), path)
 
 
 def export_onnx_graph(args) -> int:

@@ -25,7 +25,8 @@ def _quantized(weights: dict, log) -> tuple:
     quant = tuple(sorted(detect(weights).items()))
     if quant:
         kinds = sorted({q.kind for _, q in quant})
-        size = sum(w.nbytes for n, w in weights.items() if ".weight." in n)
+        from ..model.quant import quantized_bytes
+        size = quantized_bytes(weights)
         log(f"base: {len(quant)} linear weights kept quantized ({', '.join(kinds)}; {size / 1e9:.2f} GB of blocks "
             "and scales), each dequantized just before its GEMMs (--dequantize: dense instead)")
     return quant

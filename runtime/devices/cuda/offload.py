@@ -116,7 +116,7 @@ def _offloader(slot: int):
     def offload(x, token) -> None:
         s, order = _state, _state["order"]
         pos, nbytes = order.index(slot), s[slot]["bytes"]
-        main, side, k = _get_stream(2, x.device.index), s["side"], order.index(slot) % 2
+        main, side, k = _get_stream(2, x.device.index), s["side"], pos % 2
         if pos >= 2:  # this staging buffer's last D2H (two slots ago, this step) must be done
             _check(_rt.cudaStreamWaitEvent(main, s["out_done"][k], 0), "cudaStreamWaitEvent")
         _copy(s["out"][k], x.data_ptr(), nbytes, _D2D, main)
