@@ -104,10 +104,11 @@ def test_refusals():
 
 
 class _Buffer:
-    """A host stand-in for a device buffer: copyfrom(numpy) and data_ptr()."""
+    """A host stand-in for a device buffer: copyfrom(numpy) and data_ptr() (bf16 as its bits)."""
 
     def __init__(self, shape, dtype):
-        self.a = np.full(shape, -7, dtype)
+        fill = {"bfloat16": 0x7FC0, "uint8": 7}.get(dtype, -7)  # bf16: NaN; anything a write would change
+        self.a = np.full(shape, fill, np.uint16 if dtype == "bfloat16" else dtype)
 
     def copyfrom(self, x):
         assert x.shape == self.a.shape and x.dtype == self.a.dtype
@@ -157,3 +158,78 @@ def test_document_buffers_and_the_feeder(clean):
     with pytest.raises(LoracError, match="needs the input position_ids"):
         feed({})
     assert attention.feeder(SimpleNamespace(unit_calls=manifest.unit_calls[1:])) is None  # plain calls only
+
+
+# -- the plans, on an emulator of cuDNN's frontend (tests/_cudnn_emulator.py) ------------------------
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float -> bf16 bits (round to nearest even)."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def f64(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def reference(q, k, v, do, seen, scale):
+    """Attention of [B, S, heads, D] float64 values under mask `seen` [B, S, S] and its gradients."""
+    G = q.shape[2] // k.shape[2]
+    kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = np.where(seen[:, None], np.einsum("bihd,bjhd->bhij", q, kk) * scale, -np.inf)
+    lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)) + s.max(-1, keepdims=True)
+    p = np.exp(s - lse)
+    o = np.einsum("bhij,bjhd->bihd", p, vv)
+    dp = np.einsum("bihd,bjhd->bhij", do, vv)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+    fold = lambda x: x.reshape(*x.shape[:2], k.shape[2], G, x.shape[-1]).sum(3)  # noqa: E731
+    return {"o": o, "lse": lse[..., 0].transpose(0, 2, 1), "dq": np.einsum("bhij,bjhd->bihd", ds, kk),
+            "dk": fold(np.einsum("bhij,bihd->bjhd", ds, q)), "dv": fold(np.einsum("bhij,bihd->bjhd", p, do))}
+
+
+@pytest.fixture
+def emulated(clean):
+    import _cudnn_emulator as emulator
+    attention._cudnn, attention._handle = emulator, emulator.create_handle()
+    yield emulator
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_plans_describe_each_document_to_cudnn(emulated, packed):
+    """What lorac describes to cuDNN (dims, token-major strides, each tensor's ragged offsets,
+    the stats layout, lengths), run by the emulator as cuDNN's documentation defines it: the
+    packed plans compute the packed graph's attention (graphs/ops/attention.py's mask) and its
+    gradients, write nothing past the tokens (the empty sequences start there), and the plain
+    ones causal attention over whole rows."""
+    B, S, H, K, Dh, scale = 2, 12, 4, 2, 8, 0.3
+    pos = rows((3, 1, 5, 3), (12,)) if packed else rows((12,), (12,))
+    attention.reserve_documents(5)  # capacity 10 > 5 documents: empty sequences too
+    fns = (attention.PACKED_FWD, attention.PACKED_BWD) if packed else (attention.FWD, attention.BWD)
+    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale} for fn in fns]
+    fwd, bwd = (attention.build_plan(c, _Buffer)[0] for c in calls)
+    attention.size_workspace(_Buffer)
+    for plan in (fwd, bwd):
+        attention.warm(plan, _Buffer)
+    feed = attention.feeder(SimpleNamespace(unit_calls=calls))
+    assert (feed is None) != packed
+    if packed:
+        assert fwd.docs is bwd.docs and fwd.docs.capacity == 10
+        feed({"position_ids": pos})
+    rng = np.random.default_rng(3)
+    x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
+    pad = lambda h, dtype="bfloat16": _Buffer(((B + 1) * S * h * (Dh if dtype == "bfloat16" else 1),), dtype)  # noqa
+    out = {"o": pad(H), "lse": pad(H, "float32"), "dq": pad(H), "dk": pad(K), "dv": pad(K)}
+    ins = {n: _Buffer(a.shape, "bfloat16") for n, a in x.items()}
+    for n, a in x.items():
+        ins[n].copyfrom(a)
+    fwd.run([ins["q"], ins["k"], ins["v"], out["o"], out["lse"]])
+    bwd.run([ins["q"], ins["k"], ins["v"], out["o"], ins["do"], out["lse"], out["dq"], out["dk"], out["dv"]])
+    want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)
+    T = B * S
+    for n, h in (("o", H), ("dq", H), ("dk", K), ("dv", K)):
+        got = f64(out[n].a[:T * h * Dh]).reshape(B, S, h, Dh)
+        np.testing.assert_allclose(got, want[n], atol=2e-2 * np.abs(want[n]).max(), err_msg=n)
+        assert (out[n].a[T * h * Dh:] == 0x7FC0).all(), f"{n}: written past the tokens"
+    lse = out["lse"].a
+    got = lse[:T * H].reshape(B, S, H) if packed else lse[:T * H].reshape(B, H, S).transpose(0, 2, 1)
+    np.testing.assert_allclose(got, want["lse"], rtol=1e-5, atol=1e-5)
+    assert (lse[T * H:] == -7).all()

@@ -72,11 +72,11 @@ class _Documents:
     """The device buffers the packed calls of one [B, S] shape read: each sequence's length
     (int32 [N]) and, per elements-per-token count m (H*Dh for q/o/do/dq, K*Dh for k/v/dk/dv,
     H for lse), the element offset of each sequence's first token (int64 [N + 1]). N =
-    capacity = B x the documents a row may hold. `empty(shape, dtype)` allocates a device
-    buffer with copyfrom(numpy) and data_ptr()."""
+    capacity, B x the documents a row may hold unless given. `empty(shape, dtype)` allocates
+    a device buffer with copyfrom(numpy) and data_ptr()."""
 
-    def __init__(self, B: int, S: int, per_row: int, empty):
-        self.B, self.S, self.capacity = B, S, B * per_row
+    def __init__(self, B: int, S: int, per_row: int, empty, capacity: int | None = None):
+        self.B, self.S, self.capacity = B, S, capacity or B * per_row
         self._empty = empty
         self.lengths = empty((self.capacity,), "int32")
         self.offsets: dict = {}
@@ -108,14 +108,14 @@ class _Plan:
     def __init__(self, fn: str, B: int, S: int, H: int, K: int, Dh: int, scale: float, docs: _Documents | None = None):
         self.scale, self.docs = scale, docs
         self.shapes = {"q": (B, S, H, Dh), "kv": (B, S, K, Dh), "lse": (B, S, H, 1) if docs else (B, H, S, 1)}
-        err = None
+        self.failed = []  # (causal spelling, cuDNN's error) of each spelling tried before the one built
         for causal in CAUSAL:
             try:
                 self._build(fn, B, S, H, K, Dh, scale, docs, causal)
                 return
             except Exception as e:  # noqa: BLE001 - cuDNN raises its own error types; the first one is reported
-                err = err or e
-        raise err
+                self.failed.append((causal, e))
+        raise self.failed[0][1]
 
     def _build(self, fn, B, S, H, K, Dh, scale, docs, causal) -> None:
         c = _cudnn
