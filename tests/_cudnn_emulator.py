@@ -143,6 +143,10 @@ class pygraph:  # noqa: N801 - the frontend's name
         return 256
 
     def execute(self, bindings: dict, workspace, handle=None):
+        with np.errstate(all="ignore"):  # scratch runs (attention.warm) read uninitialized memory
+            self._execute(bindings, workspace)
+
+    def _execute(self, bindings: dict, workspace):
         assert self.built and workspace
         ptrs = {id(t): int(p) for t, p in bindings.items()}
         for kind, a in self.ops:

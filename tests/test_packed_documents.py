@@ -233,3 +233,37 @@ def test_plans_describe_each_document_to_cudnn(emulated, packed):
     got = lse[:T * H].reshape(B, S, H) if packed else lse[:T * H].reshape(B, H, S).transpose(0, 2, 1)
     np.testing.assert_allclose(got, want["lse"], rtol=1e-5, atol=1e-5)
     assert (lse[T * H:] == -7).all()
+
+
+def test_registered_functions_read_the_fed_documents(emulated):
+    """The path a compiled step takes, with TVM's runtime on the CPU and the emulator for cuDNN:
+    prepare() builds, warms and registers the packed functions, the feeder fills the documents
+    of each call's position_ids, and the registered functions (called as the VM calls them)
+    compute each batch's documents, the second batch's too (what a replayed capture reads)."""
+    tvm = pytest.importorskip("tvm")
+    import tvm_ffi
+    B, S, H, K, Dh, scale = 2, 10, 2, 1, 8, 0.5
+    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale}
+             for fn in (attention.PACKED_FWD, attention.PACKED_BWD)]
+    manifest = SimpleNamespace(unit_calls=calls)
+    attention.reserve_documents(4)
+    dev = tvm.cpu()
+    attention.prepare(manifest, dev)
+    feed = attention.feeder(manifest)
+    rng = np.random.default_rng(5)
+    t = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
+    for docs in [((3, 7), (1, 1, 4, 4)), ((10,), (2, 8))]:
+        pos = rows(*docs)
+        x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
+        dv = {n: t(a.view(np.uint16)) for n, a in x.items()}  # bf16 bits; the functions read addresses only
+        o, dq = t(np.zeros((B, S, H, Dh), np.uint16)), t(np.zeros((B, S, H, Dh), np.uint16))
+        dk, dvv = t(np.zeros((B, S, K, Dh), np.uint16)), t(np.zeros((B, S, K, Dh), np.uint16))
+        lse = t(np.zeros((B, S, H, 1), np.float32))
+        feed({"position_ids": pos})
+        pos_t = t(pos)
+        tvm_ffi.get_global_func(attention.PACKED_FWD)(dv["q"], dv["k"], dv["v"], pos_t, o, lse)
+        tvm_ffi.get_global_func(attention.PACKED_BWD)(dv["q"], dv["k"], dv["v"], o, dv["do"], lse, pos_t, dq, dk, dvv)
+        want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)
+        for name, got in (("o", o), ("dq", dq), ("dk", dk), ("dv", dvv)):
+            np.testing.assert_allclose(f64(got.numpy()), want[name], atol=2e-2 * np.abs(want[name]).max(), err_msg=name)
+        np.testing.assert_allclose(lse.numpy()[..., 0], want["lse"], rtol=1e-5, atol=1e-5)
