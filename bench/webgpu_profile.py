@@ -280,20 +280,20 @@ def device(args) -> None:
     train = (prof.get("profile") or {}).get("train", {})
     if train and not train.get("gpu_kernel_events") and left() > 90:
         (tmp / "shapes.json").write_text(json.dumps(train["matmul_shapes"]))
-        g = _child(out, [str(tmp / "shapes.json"), "--limit", str(min(40, left() - 80))], min(70, left() - 70),
+        g = _child(out, [str(tmp / "shapes.json"), "--limit", str(min(25, left() - 80))], min(50, left() - 70),
                    args.stand_in, str(HERE / "webgpu_gemms.py"))
         if "matmul_ms_per_step" in g and prof.get("step_ms"):
             g["matmul_share_of_step"] = round(g["matmul_ms_per_step"] / prof["step_ms"], 3)
         summary["matmul_alone"] = g
         save()
     # (b), (c): the variants, each in a process of its own
-    keep = 45 if args.profile_case != args.case else 0  # for the profile case with the faster options at the end
+    keep = 50 if args.profile_case != args.case else 0  # for the profile case with the faster options at the end
     summary["variants"] = {}
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         if left() - keep < args.variant_min:
             summary["variants"][name] = {"skipped": "budget"}
             continue
-        rec = step(args.case, name, args.steps, 2, min(120, left() - keep), "--save", str(tmp / f"{name}.npz"))
+        rec = step(args.case, name, args.steps, 2, min(60, left() - keep), "--save", str(tmp / f"{name}.npz"))
         ref = "train-only" if name == "graph-capture" else "base"  # replays: the same batches, no update
         if name != ref:
             _compare(rec, summary["variants"].get(ref, {}), tmp / f"{name}.npz", tmp / f"{ref}.npz")
@@ -311,7 +311,7 @@ def device(args) -> None:
         sess = {k: x for n in winners for k, x in VARIANTS[n][1].items()}
         VARIANTS["best"] = (opts, sess, "step")
         summary["best_options"] = {"ep": opts, "session": sess}
-        if left() > 20:  # against the profile run's unprofiled steps (its step_ms)
+        if left() > 40:  # against the profile run's unprofiled steps (its step_ms)
             best = step(args.profile_case, "best", 2, 1, left() - 5, "--variants-best", json.dumps([opts, sess]))
             _compare(best, prof, tmp / "none", tmp / "none")
             if best.get("step_ms") and prof.get("step_ms"):
@@ -331,6 +331,8 @@ def brief(summary: dict) -> None:
                                             "gpu_kernel_events", "gpu_ms_per_run", "cpu_matmul_share",
                                             "gpu_matmul_share")}
         head[kind]["top"] = [(x["name"], x["ms_per_step"]) for x in (r.get("gpu_top_ops") or r["cpu_top_ops"])[:8]]
+    runs = (prof.get("profile") or {}).values()
+    head["cpu_dispatch_ms_per_step"] = round(sum(r.get("cpu_dispatch_ms_per_run", 0) for r in runs), 1)  # all graphs
     print(json.dumps({"profile": head, "placement": prof.get("placement"), "off_webgpu": prof.get("off_main")}))
     alone = summary.get("matmul_alone")
     if alone:

@@ -68,7 +68,9 @@ def test_the_device_call_runs_with_the_cpu_standing_in(tmp_path):
     assert train["gpu_kernel_events"] == 0 and "gpu_ms_per_run" not in train  # the CPU writes none
     assert train["cpu_top_ops"] and all(x["ms_per_step"] >= 0 for x in train["cpu_top_nodes"])
     assert train["matmul_shapes"] and all(x["count"] >= 1 for x in train["matmul_shapes"])
-    assert s["matmul_alone"]["timed"] == len(train["matmul_shapes"]) and s["matmul_alone"]["matmul_ms_per_step"] > 0
+    alone = s["matmul_alone"]
+    assert alone["timed"] == len(train["matmul_shapes"]) and alone["matmul_ms_per_step"] > 0
+    assert alone["flop_share_timed"] == 1.0 and all(r["on"] for r in alone["shapes"])
     v = s["variants"]
     assert set(v) == {"base", "validation-off", "train-only", "graph-capture"}
     assert v["validation-off"]["session_got"]["validationMode"] == "disabled"  # as ort_webgpu.DEFAULTS passes it
