@@ -49,7 +49,7 @@ def blocks_of(raw, kind: str, out: int, inp: int, name: str, rows=None) -> np.nd
 
 
 # byte offsets of each type's fp16 scales (d, and dmin or m) in its block
-SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def check_scales(blocks: np.ndarray, kind: str, name: str) -> None:
