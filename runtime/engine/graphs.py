@@ -24,8 +24,8 @@ def release_host_memory() -> None:
     """Hand the heap memory freed so far back to the OS (glibc's malloc_trim; elsewhere nothing).
     Loading a base allocates and frees many arrays of 1-4 MB (dequantized weights, their
     temporaries); glibc keeps such freed blocks in its heap, so the weights' host copies
-    stayed resident after the upload: 400 MB of a dense SmolLM2 CPU run (docs/BENCHMARKS.md
-    "CPU: a quantized GGUF base")."""
+    stayed resident after the upload: 330 MB of a dense SmolLM2 CPU run (docs/BENCHMARKS.md,
+    QLoRA on the CPU)."""
     import ctypes
     import ctypes.util
     try:
