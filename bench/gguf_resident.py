@@ -3,6 +3,7 @@
 Usage:
   python bench/gguf_resident.py [--model FILE.gguf] [--steps 4] [--batch 4] [--seq 128] [--threads 2]
                                 [--cache-dir .lorac-cache/bench] [--modes keep,dequantize]
+  python bench/gguf_resident.py --kernels [--threads 2]   # the dequantization kernels alone
 
 Without --model it trains the bundled SmolLM2-135M-Instruct re-quantized as llama.cpp's
 Q4_K_M would (bench/q4_k_m.py writes it once to /tmp/lorac-bench/SmolLM2-135M-Q4_K_M.gguf).
@@ -90,6 +91,35 @@ def worker(args) -> dict:
             "mb_before_load": before, "mb_after_load": loaded, "mb_end": status()}
 
 
+KERNELS = [("Q5_0", 1536, 576), ("Q8_0", 1536, 576), ("Q4_1", 1536, 576), ("Q4_K", 576, 1536), ("Q6_K", 576, 1536)]
+
+
+def kernels(args) -> None:
+    """ns per value of each GGUF type's dequantization compiled alone for the CPU (SmolLM2's
+    gate_proj and down_proj shapes; the dense output written), best of 30 calls after 3."""
+    import numpy as np
+    from lorac.compiler import compile_graph
+    from lorac.graphs.builder import GraphBuilder
+    from lorac.graphs.ops.quant import Quant, declare
+    from lorac.runtime.engine.artifact import load_artifact
+    from lorac.runtime.model.quant.gguf_blocks import quantize
+    rng = np.random.default_rng(0)
+    for kind, out, inp in KERNELS:
+        g = GraphBuilder("dequant")
+        g.output(declare(g, Quant(kind), "w", out, inp).dense(g), "w.dense")
+        step = load_artifact(compile_graph(g.finish(), target="cpu", out_dir=Path(args.cache_dir) / f"dequant-{kind}"), "cpu")
+        blocks = quantize((0.02 * rng.standard_normal((out, inp))).astype(np.float32), kind)
+        feeds = {f"w.{kind}": step.upload(step.input_spec(f"w.{kind}"), blocks)}
+        times = []
+        for i in range(33):
+            t = time.perf_counter()
+            step(feeds, as_numpy=False)
+            times.append(time.perf_counter() - t)
+        best = min(times[3:])
+        print(json.dumps({"kind": kind, "shape": [out, inp], "threads": args.threads, "best_ms": round(best * 1e3, 3),
+                          "ns_per_value": round(best / (out * inp) * 1e9, 2), "load_avg": os.getloadavg()[0]}), flush=True)
+
+
 def spawn(args, mode: str, compile_: bool) -> dict:
     cmd = [sys.executable, str(WORKER), "--worker", "--mode", mode, "--model", args.model, "--steps", str(args.steps),
            "--batch", str(args.batch), "--seq", str(args.seq), "--cache-dir", args.cache_dir]
@@ -110,12 +140,19 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", default=".lorac-cache/bench")
     p.add_argument("--modes", default="keep,dequantize")
+    p.add_argument("--kernels", action="store_true", help="time each GGUF type's dequantization kernel alone")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args)), flush=True)
+        return
+    if args.kernels:  # this process: TVM reads TVM_NUM_THREADS when it starts its pool
+        if os.environ.get("TVM_NUM_THREADS") != str(args.threads):
+            os.execve(sys.executable, [sys.executable, *sys.argv],
+                      dict(os.environ, TVM_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads)))
+        kernels(args)
         return
     if not args.model:
         from q4_k_m import smollm2_q4_k_m
