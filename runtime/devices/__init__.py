@@ -50,6 +50,9 @@ optional (a module without one gets the default in OPTIONAL below):
     KEEPS_QUANTIZED
                    --quantized-base auto keeps a quantized base's blocks here (else
                    dequantized on load)
+    KEEPS_QUANTIZED_ABOVE
+                   where KEEPS_QUANTIZED is False: auto keeps the blocks when the base
+                   held dense would take more than this share of memory_free() (None: never)
     OFFLOADS       --checkpointing offload: checkpointed inputs may wait in host memory
     DEVICE_PER_WORKER
                    data-parallel workers on one host take one device each (select(i))
@@ -84,6 +87,7 @@ OPTIONAL = {
     "gemm_info": _nothing, "memory_free": _nothing, "memory_info": _nothing, "MEMORY_OF": "the device",
     "AUTO_CHECKPOINTING": False, "LOSS_CHUNK_BYTES": None, "FUSED_ATTENTION": False,
     "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
+    "KEEPS_QUANTIZED_ABOVE": None,
     "OFFLOADS": False,
     "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host", "TRAINS_ON": None,
     "check_ort": _nothing, "reserve_documents": _nothing, "feeder": _nothing,
