@@ -121,6 +121,8 @@ class Run:
                      model_hash=self.model_hash, graph_hash=self.engine.graph_hash, data_sha256=self.data.digest,
                      schedule_steps=self.optim_cfg.total_steps, train_config=_jsonable(asdict(self.cfg)),
                      model_config=self.model_config)
+        if hasattr(self.engine, "describe"):  # what trained it: backend, providers, the WebGPU adapter
+            state["device"] = _jsonable(self.engine.describe())
         return save_checkpoint(Path(self.cfg.out) / "checkpoints", st["step"], lora, m, v, state,
                                keep=self.cfg.keep_checkpoints)
 
