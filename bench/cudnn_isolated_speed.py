@@ -18,6 +18,7 @@ Variants (a name, the packed layout, lorac's attention.PACKED settings):
   bias                  plain rows + the documents' bias [B, 1, S, S] (mask "bias": the whole
                         causal triangle computed, no host work per step)
   bias_unified          the same, the forward's implementation UNIFIED
+  bias_fp32             the bias in fp32 (should cuDNN refuse a bf16 one)
 and `engines`: every plan cuDNN's heuristics offer for the ragged_longest and bias graphs,
 each timed alone (forward plans with the default backward, and the other way round).
 What the runtime picks from this: attention.PACKED (ragged) and PACKED_MASK in
@@ -46,6 +47,7 @@ VARIANTS = {  # name: (layout, settings); settings as attention.PACKED's keys
     "ragged_unified": ("ragged", {"max_seq": "longest", "implementation": "UNIFIED"}),
     "bias": ("bias", {}),
     "bias_unified": ("bias", {"implementation": "UNIFIED"}),
+    "bias_fp32": ("bias", {"bias_dtype": "float32"}),  # in case cuDNN refuses a bf16 bias
 }
 SHORT = ("plain", "ragged_row", "ragged_longest", "ragged_groups_64", "ragged_groups_128", "ragged_groups_64_256",
          "bias")
@@ -63,7 +65,7 @@ def datasets(ctx) -> dict:
 def build(ctx, layout: str, settings: dict, pos, per_row: int, engines: dict | None = None):
     """(forward plans, backward plans, documents or None) of a variant, documents filled."""
     a, d = C.ARGS, ctx["documents"]
-    opts = {k: settings[k] for k in ("deterministic", "implementation") if settings.get(k)}
+    opts = {k: settings[k] for k in ("deterministic", "implementation", "bias_dtype") if settings.get(k)}
     docs = None
     if layout == "ragged":
         longest = int(pos.max()) + 1 if settings.get("max_seq", "longest") == "longest" else None
@@ -88,7 +90,9 @@ def run_and_time(ctx, layout, fwd, bwd, pos, x, ref, check=True) -> dict:
     lse_b = lse if layout == "ragged" else torch.empty((B, H, S, 1), dtype=torch.float32, device=C.DEV)
     bufs = {**x, "o": o, "lse": lse_b, "dq": dq, "dk": dk, "dv": dv}
     if layout == "bias":
-        bufs["bias"] = torch.from_numpy(ctx["documents"].document_bias(pos)).to(C.DEV).to(torch.bfloat16)
+        wide = fwd[0].options.get("bias_dtype") == "float32"
+        bufs["bias"] = torch.from_numpy(ctx["documents"].document_bias(pos)).to(C.DEV).to(
+            torch.float32 if wide else torch.bfloat16)
     fb, bb = [bufs[n] for n in fwd[0].names], [bufs[n] for n in bwd[0].names]
     ws = att._workspace["ptr"]
     set_stream(att)
@@ -132,8 +136,9 @@ def outside_writes(ctx, fwd, bwd, docs, pos, x) -> int:
     fwd[0].run([bufs[n] for n in fwd[0].names], ws)
     bwd[0].run([bufs[n] for n in bwd[0].names], ws)
     sync()
-    T = a.batch * a.seq
-    return int(sum((~out.view[n][:T][~mine].isnan()).sum() for n in ("o", "dq", "dk", "dv")))
+    import torch
+    T, other = a.batch * a.seq, torch.from_numpy(~mine).to(C.DEV)
+    return int(sum((~out.view[n][:T][other].isnan()).sum() for n in ("o", "dq", "dk", "dv")))
 
 
 def st_speed(ctx):

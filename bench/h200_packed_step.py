@@ -23,7 +23,8 @@ device runs each part in a process of its own and prints one JSON line each, the
                   full steps (step + LoRA+ AdamW update, h200_vs_peers.full_step) alternating,
                   the order swapped every round; medians and isolated / plain
 VARIANTS: ragged (the runtime's settings), ragged_row (plans of S tokens: the first build),
-ragged_groups_128 (documents split at 128 tokens), bias (the bias build). `--stand-in cpu`
+ragged_groups_128 (documents split at 128 tokens), bias (the bias build); or MASK=JSON, the
+runtime's attention.PACKED settings for an artifact of that mask: 'ragged={"bounds": [64, 256]}'. `--stand-in cpu`
 runs the same flow with small CPU fp32 artifacts (tests/test_packed_step.py), no GPU.
 """
 from __future__ import annotations
@@ -254,11 +255,24 @@ def equality(cache: str, mask: str, stand_in: str | None) -> dict:
     return r
 
 
+def variant_of(name: str) -> tuple[str, dict]:
+    """A VARIANTS name, or MASK=JSON of attention.PACKED settings ('ragged={"bounds": [64, 256]}')."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    mask, _, settings = name.partition("=")
+    if mask not in MASKS:
+        raise SystemExit(f"variant {name!r}: one of {', '.join(VARIANTS)}, or MASK=JSON with MASK in {MASKS}")
+    settings = json.loads(settings or "{}")
+    if "bounds" in settings:
+        settings["bounds"] = tuple(settings["bounds"])
+    return mask, settings
+
+
 def timing(cache: str, variant: str, stand_in: str | None, rounds: int = 10) -> dict:
     from lorac.runtime import devices
     sys.modules["torch"] = None  # lorac's process needs no torch
     s = setup(stand_in)
-    mask, settings = VARIANTS[variant]
+    mask, settings = variant_of(variant)
     if s["target"] == "cuda":
         from lorac.runtime.devices.cuda import attention
         attention.PACKED.update(settings)

@@ -208,17 +208,19 @@ class pygraph:  # noqa: N801 - the frontend's name
 
 
 def _bias(t, ptrs: dict, B: int) -> list:
-    """Per batch entry, the bias [1, S, S] (float64) or 0.0 without one (dims [B or 1, 1, S, S])."""
+    """Per batch entry, the bias [1, S, S] (float64) or 0.0 without one (dims [B or 1, 1, S, S], bf16 or fp32)."""
     if t is None:
         return [0.0] * B
-    assert t.dim[1] == 1 and t.data_type == "bfloat16", f"emulated: bias [B, 1, S, S] bf16, got {t.dim} {t.data_type}"
+    assert t.dim[1] == 1 and t.data_type in ("bfloat16", "float32"), f"emulated: bias [B, 1, S, S], got {t.dim}"
     S, S2 = t.dim[2:]
     out = []
     for b in range(B):
         base = (b if t.dim[0] > 1 else 0) * t.stride[0]
         idx = base + np.arange(S)[:, None] * t.stride[2] + np.arange(S2)[None, :] * t.stride[3]
-        flat = _view(ptrs[id(t)], "bfloat16", int(idx.max()) + 1)
-        out.append((flat[idx].astype(np.uint32) << 16).view(np.float32).astype(np.float64)[None])
+        vals = _view(ptrs[id(t)], t.data_type, int(idx.max()) + 1)[idx]
+        if t.data_type == "bfloat16":
+            vals = (vals.astype(np.uint32) << 16).view(np.float32)
+        out.append(np.asarray(vals, np.float64)[None])
     return out
 
 

@@ -86,8 +86,9 @@ class Plan:
             mask.update(use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
             lengths = self.docs.lengths[self.group]
             bound = {lens[0]: lengths, lens[1]: lengths, **{x: self.docs.offsets_of(self.group, m) for m, x in offsets.items()}}
-        if self.layout == "bias":
-            t["bias"] = g.tensor([B, 1, S, S], [S * S, S * S, S, 1], data_type=bf16, name="bias")
+        if self.layout == "bias":  # bf16 (the build's), or fp32 where options say (bench/cudnn_isolated_speed.py)
+            dt = f32 if opt.get("bias_dtype") == "float32" else bf16
+            t["bias"] = g.tensor([B, 1, S, S], [S * S, S * S, S, 1], data_type=dt, name="bias")
             mask["bias"] = t["bias"]
         if not self.backward:
             extra = {"implementation": getattr(c.attention_implementation, opt["implementation"])} \
