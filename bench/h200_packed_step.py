@@ -22,8 +22,9 @@ device runs each part in a process of its own and prints one JSON line each, the
   time VARIANT    the plain and the isolated 0.6B engines (random weights, as h200_vs_peers),
                   full steps (step + LoRA+ AdamW update, h200_vs_peers.full_step) alternating,
                   the order swapped every round; medians and isolated / plain
-VARIANTS: ragged (the runtime's settings), ragged_row (plans of S tokens: the first build),
-ragged_groups_128 (documents split at 128 tokens), bias (the bias build); or MASK=JSON, the
+VARIANTS: ragged (the runtime's default settings: plans of S tokens, as first built),
+ragged_longest (plans as long as the longest document), ragged_groups_128 (and documents
+split at 128 tokens), bias (the bias build); or MASK=JSON, the
 runtime's attention.PACKED settings for an artifact of that mask: 'ragged={"bounds": [64, 256]}'. `--stand-in cpu`
 runs the same flow with small CPU fp32 artifacts (tests/test_packed_step.py), no GPU.
 """
@@ -44,8 +45,8 @@ from cudnn_isolated_common import row_lengths  # noqa: E402
 MASKS = ("ragged", "bias")
 VARIANTS = {  # name: (the artifact's mask, runtime attention.PACKED settings)
     "ragged": ("ragged", {}),
-    "ragged_row": ("ragged", {"max_seq": "row"}),
-    "ragged_groups_128": ("ragged", {"bounds": (128,)}),
+    "ragged_longest": ("ragged", {"max_seq": "longest"}),
+    "ragged_groups_128": ("ragged", {"max_seq": "longest", "bounds": (128,)}),
     "bias": ("bias", {}),
 }
 SMALL = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

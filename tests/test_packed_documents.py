@@ -200,7 +200,7 @@ MODES = {  # name: (packed mask, PACKED settings)
     "ragged": ("ragged", {"max_seq": "row"}),
     "ragged-longest": ("ragged", {"max_seq": "longest"}),
     "ragged-groups": ("ragged", {"max_seq": "longest", "bounds": (2, 4)}),
-    "ragged-options": ("ragged", {"deterministic": True, "implementation": "UNIFIED",
+    "ragged-options": ("ragged", {"max_seq": "longest", "deterministic": True, "implementation": "UNIFIED",
                                   "engine": {"fwd": "emulated_1", "bwd": "emulated_1"}}),
     "bias": ("bias", {}),
 }

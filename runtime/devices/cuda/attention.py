@@ -51,14 +51,15 @@ _PACKED = (PACKED_FWD, PACKED_BWD)
 MASKS = ("ragged", "bias")  # how a build masks packed documents (the manifest call's "mask")
 
 # How the packed calls' plans are built, chosen from bench/cudnn_isolated_check.py's measurements
-# on the H200 (docs/BENCHMARKS.md, "Isolated packing on cuDNN"); set before artifacts load.
-#   max_seq        "longest": ragged plans hold sequences of at most the longest document the
-#                  run's data has (reserve_documents), rounded up to 64; "row": S
+# on the H200 (docs/BENCHMARKS.md, "Isolated packing on cuDNN"); set before artifacts load. The
+# defaults are what that check verified there first; the others await its speed stage.
+#   max_seq        "row": ragged plans hold sequences of up to S tokens; "longest": of at most
+#                  the longest document the run's data has (reserve_documents), rounded up to 64
 #   bounds         document lengths splitting the ragged sequences into groups (documents.py)
 #   deterministic  the backward's use_deterministic_algorithm
 #   implementation the forward's cuDNN implementation (None: AUTO; "COMPOSITE", "UNIFIED")
 #   engine         {"fwd": name, "bwd": name}: the cuDNN plans to build (None: the heuristics' first)
-PACKED = {"max_seq": "longest", "bounds": (), "deterministic": False, "implementation": None, "engine": None}
+PACKED = {"max_seq": "row", "bounds": (), "deterministic": False, "implementation": None, "engine": None}
 
 _cudnn = None  # the module, imported on first use
 _handle = None
