@@ -4,7 +4,7 @@ gradients against the fp32 CPU step of each document alone (loss 1e-2 relative, 
 
     .venv/bin/python bench/h200_packed_step.py prepare CACHE      # here: compile; the fp32 references
     source bench/h200_env.sh                                      # the GPU machine: runtime-only TVM
-    python3 bench/h200_packed_step.py device CACHE [VARIANT ...] [--json FILE]
+    python3 bench/h200_packed_step.py device CACHE [VARIANT ...] [--json FILE] [--skip-equality]
 
 prepare compiles, the way bench/h200_vs_peers.py prepares its cases (its helpers): the plain
 step and the isolated one, once for each way the CUDA build masks documents
@@ -312,11 +312,12 @@ def timing(cache: str, variant: str, stand_in: str | None, rounds: int = 10) -> 
     return out
 
 
-def device(cache: str, variants: list[str], stand_in: str | None, json_out: str | None) -> int:
+def device(cache: str, variants: list[str], stand_in: str | None, json_out: str | None, equal: bool = True) -> int:
     hv.pin_source(cache)
     rows = []
     extra = ["--stand-in", stand_in] if stand_in else []
-    parts = [("equality", m) for m in (MASKS if not stand_in else ("ragged",))] + [("time", v) for v in variants]
+    parts = [("equality", m) for m in (MASKS if not stand_in else ("ragged",)) if equal] + \
+        [("time", v) for v in variants]
     for kind, what in parts:
         t0 = time.time()
         r = subprocess.run([sys.executable, __file__, kind, cache, what, *extra], capture_output=True, text=True,
@@ -351,12 +352,14 @@ def main(argv: list[str]) -> int:
     if "--json" in argv:
         k = argv.index("--json")
         json_out, argv = argv[k + 1], argv[:k] + argv[k + 2:]
+    equal = "--skip-equality" not in argv
+    argv = [a for a in argv if a != "--skip-equality"]
     mode, cache, rest = argv[0], argv[1], argv[2:]
     if mode == "prepare":
         prepare(cache, stand_in)
         return 0
     if mode == "device":
-        return device(cache, rest or list(VARIANTS), stand_in, json_out)
+        return device(cache, rest or list(VARIANTS), stand_in, json_out, equal)
     hv.pin_source(cache)
     r = equality(cache, rest[0], stand_in) if mode == "equality" else timing(cache, rest[0], stand_in)
     print(json.dumps(r), flush=True)
