@@ -211,7 +211,6 @@ def st_replay(ctx):
 
 def st_time(ctx):
     att, a = ctx["att"], ARGS
-    B, S, H, K, Dh = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
     x = ctx["x"]
     out = Outputs()
     o, lse, dq, dk, dv = out.buffers()

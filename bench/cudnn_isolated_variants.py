@@ -14,7 +14,7 @@ from cudnn_isolated_common import Outputs, empty, ensure_workspace, plan, set_st
 def st_variants(ctx):
     """Alternatives, for when the runtime's path failed: what else cuDNN takes."""
     att, a = ctx["att"], C.ARGS
-    B, S, H, K, Dh = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
+    B, S = a.batch, a.seq
     T, cap = B * S, B * a.docs_hi
     res = {}
     lengths, starts = ctx["documents"].split_documents(ctx["pos"], cap)
