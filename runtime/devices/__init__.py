@@ -37,10 +37,10 @@ optional (a module without one gets the default in OPTIONAL below):
     ISOLATED_PACKING_FAST
                    isolated packing runs at plain packing's cost, so `--packing auto`
                    picks it where the model family has it
-    reserve_documents(per_row)
-                   the most documents a row of the run's data holds (--packing
-                   isolated), told before any artifact loads (cuda: what its packed
-                   attention's plans are sized for)
+    reserve_documents(per_row, longest)
+                   the most documents a row of the run's data holds and its longest
+                   document (--packing isolated), told before any artifact loads (cuda:
+                   what its packed attention's plans are sized for)
     feeder(manifest) -> callable(inputs) | None
                    a function the artifact's Step calls with each call's inputs before
                    it runs (cuda: the packed attention's documents from position_ids)

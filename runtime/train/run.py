@@ -91,7 +91,7 @@ class Run:
         for line in data_lines(data_path, self.data.describe()):
             self.log(line)
         if cfg.packing == "isolated":  # before any artifact loads: CUDA sizes its packed attention by it
-            self.plan.device.reserve_documents(self.data.max_documents())
+            self.plan.device.reserve_documents(self.data.max_documents(), self.data.longest_document())
         if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
             self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
             cfg = self.cfg = replace(cfg, eval_batches=0)
