@@ -3,7 +3,8 @@ GPU call with one JSON summary (OUT/profile.json, written after each part):
 (a) the profile case (Qwen3-0.6B shape 8x1024; the 40M one where that fails) under onnxruntime's
     profiler: top op types and nodes, the MatMul share, and whether the WebGPU EP put GPU kernel
     times (timestamp queries) into the trace or only the CPU's dispatch times; in the latter case
-    the profile's MatMuls timed alone on the GPU (their shapes and counts from the trace);
+    the trace's MatMul shapes timed alone on the GPU (bench/webgpu_gemms.py), then 3 steps
+    unprofiled (the case's step time);
 (b) variants of the full step (training graph + LoRA+ AdamW, the loss read back) at --case (the
     40M 8x1024), each in a process of its own (the WebGPU context, which most options configure,
     is made once a process): the plugin's provider options and onnxruntime session settings
@@ -12,14 +13,16 @@ GPU call with one JSON summary (OUT/profile.json, written after each part):
     capture; every variant's losses and step-1 LoRA gradients against the base's;
 (c) fp16 GEMMs: every MatMul of the training graph on fp16 operands (Casts in the graph; fp32
     elsewhere), where the adapter runs fp16 shaders (shader-f16);
-then the base and the faster exact options together at the profile case, as the budget allows.
+then the faster exact options together at the profile case. Each part is a child process with a
+timeout inside --budget (200 s); the variants run in the order of VARIANTS and what does not
+fit is marked skipped.
 
 Here (the dev venv; pip and apt reach their registries):
     .venv/bin/python bench/webgpu_profile.py prepare    # .devcarry/webgpu: whl/, debs/, vulkan/ (no model)
 There, one call, carry [".devcarry/webgpu"] (or what bench/webgpu_check.py prepare made):
     source bench/webgpu_env.sh && python3 bench/webgpu_profile.py device $OUT/wgp
 Here, no GPU (how it is tested: the CPU standing in for the adapter, tests/webgpu_stand_in.py):
-    .venv/bin/python bench/webgpu_profile.py device OUT --stand-in --case tiny-2x32 --profile-case tiny-2x32
+    .venv/bin/python bench/webgpu_profile.py device OUT --stand-in --case tiny-2x32 --profile-case tiny-1x64
 """
 from __future__ import annotations
 
@@ -62,8 +65,7 @@ EXACT = 1e-5  # a faster variant (--faster) counts as exact within this relative
 # -- here --------------------------------------------------------------------------------
 def prepare(d: Path) -> None:
     ws.prepare_runtime(d)
-    print(json.dumps({"prepared": str(d), "MiB": round(sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-                                                     / 2**20, 1)}))
+    print(json.dumps({"prepared": str(d), "bytes": sum(p.stat().st_size for p in d.rglob("*") if p.is_file())}))
 
 
 # -- in a child process ------------------------------------------------------------------
@@ -124,6 +126,8 @@ def child(args) -> dict:
         import webgpu_stand_in
         webgpu_stand_in.install()
     from lorac.runtime.engine import ort_webgpu
+    if args.variants_best:
+        VARIANTS["best"] = (*json.loads(args.variants_best), "step")
     options, session, mode = VARIANTS[args.variant]
     ort_webgpu.DEFAULTS, ort_webgpu.SESSION = dict(options), dict(session)
     trace = tempfile.mkdtemp(prefix="lorac-wgp-") if args.profile else None
@@ -135,11 +139,13 @@ def child(args) -> dict:
         np.savez(args.save, **keep)
     step_s = float(np.median(times[args.warm:] or times))
     profile = analyse(dict(zip(c.eng._sessions, c.eng.end_profiling())), args.warm) if trace else None
-    if trace and args.after:  # the profiler ended: the same step unprofiled
-        more, losses_after = run_steps(c, args.after, {}, len(times)) if mode != "replay" else \
-            run_replay(c, args.after, {})
-        profiled_ms, step_s, times, losses = round(step_s * 1e3, 2), float(np.median(more)), times + more, \
-            losses + losses_after
+    profiled_ms, after_error = round(step_s * 1e3, 2), None
+    try:  # the profiler ended: the same full step unprofiled (a failure here keeps the profile)
+        more, losses_after = run_steps(c, args.after, {}, len(times)) if trace and args.after else ([], [])
+    except Exception as e:  # noqa: BLE001
+        more, losses_after, after_error = [], [], f"{type(e).__name__}: {str(e)[:300]}"
+    if more:
+        step_s, times, losses = float(np.median(more)), times + more, losses + losses_after
     rec = dict(case=args.case, variant=args.variant, mode=mode, options=options, session=session, B=c.B, S=c.S,
                loss_chunk=c.chunk, step_ms=round(step_s * 1e3, 2), tok_s=round(c.B * c.S / step_s),
                times_ms=[round(t * 1e3, 1) for t in times], first_step_s=round(times[0], 2),
@@ -149,13 +155,13 @@ def child(args) -> dict:
     rec["session_got"] = {**{k: so.get_session_config_entry(f"ep.{ep}.{k}") for k in options},  # what reached it
                           "graph_optimization_level": str(so.graph_optimization_level).rsplit(".", 1)[-1],
                           "enable_mem_pattern": so.enable_mem_pattern}
-    if mode == "fp16":
-        rec["fp16_matmuls"] = sum(1 for n in fp16_gemms(c.eng._recipe("train")[0]()).graph.node
-                                  if n.op_type == "MatMul")
+    if mode == "fp16":  # how many MatMuls the rewrite made fp16, and where onnxruntime ran them
+        plain = type(c.eng)._recipe(c.eng, "train")[0]()  # the class's recipe: not the rewritten one
+        rec["fp16_matmuls"] = sum(n.op_type == "MatMul" for n in fp16_gemms(plain).graph.node)
+        rec["matmuls_on"] = {ep: ops.get("MatMul", 0) for ep, ops in c.eng.placement.get("train", {}).items()}
     if trace:
         rec["profile"] = profile
-        if args.after:
-            rec["profiled_step_ms"] = profiled_ms
+        rec.update(profiled_step_ms=profiled_ms, after_error=after_error)
         shutil.rmtree(trace, ignore_errors=True)
     return rec
 
@@ -277,6 +283,7 @@ def device(args) -> None:
         save()
         if "error" not in prof:
             break
+    separate = "error" not in prof and prof.get("case") != args.case  # the profile case is not the variants'
     train = (prof.get("profile") or {}).get("train", {})
     if train and not train.get("gpu_kernel_events") and left() > 90:
         (tmp / "shapes.json").write_text(json.dumps(train["matmul_shapes"]))
@@ -287,7 +294,7 @@ def device(args) -> None:
         summary["matmul_alone"] = g
         save()
     # (b), (c): the variants, each in a process of its own
-    keep = 50 if args.profile_case != args.case else 0  # for the profile case with the faster options at the end
+    keep = 50 if separate else 0  # for the profile case with the faster options at the end
     summary["variants"] = {}
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         if left() - keep < args.variant_min:
@@ -303,12 +310,18 @@ def device(args) -> None:
     # the profile case: the base and the faster exact options together
     v = summary["variants"]
     base_ms = (v.get("base") or {}).get("step_ms")
-    winners = [n for n, r in v.items() if r.get("mode") == "step" and n != "base" and base_ms and r.get("step_ms")
-               and r["step_ms"] < args.faster * base_ms and (r.get("loss_rel_vs_base") or 0) <= EXACT]
+    winners = sorted((n for n, r in v.items() if r.get("mode") == "step" and n != "base" and base_ms
+                      and r.get("step_ms") and r["step_ms"] < args.faster * base_ms
+                      and r.get("loss_rel_vs_base") is not None and r["loss_rel_vs_base"] <= EXACT),
+                     key=lambda n: v[n]["step_ms"])
     summary["faster_exact"] = winners
-    if args.profile_case != args.case and winners:
-        opts = {k: x for n in winners for k, x in VARIANTS[n][0].items()}
-        sess = {k: x for n in winners for k, x in VARIANTS[n][1].items()}
+    if separate and winners:
+        opts, sess = {}, {}
+        for n in winners:  # the fastest first: of two values for one key (pending-256, pending-64), its
+            for k, x in VARIANTS[n][0].items():
+                opts.setdefault(k, x)
+            for k, x in VARIANTS[n][1].items():
+                sess.setdefault(k, x)
         VARIANTS["best"] = (opts, sess, "step")
         summary["best_options"] = {"ep": opts, "session": sess}
         if left() > 40:  # against the profile run's unprofiled steps (its step_ms)
@@ -378,10 +391,7 @@ def main() -> None:
         prepare(Path(args.dir))
     elif args.mode == "device":
         device(args)
-    elif args.mode == "child":
-        if args.variants_best:
-            opts, sess = json.loads(args.variants_best)
-            VARIANTS["best"] = (opts, sess, "step")
+    else:
         print(json.dumps(child(args)), flush=True)
 
 

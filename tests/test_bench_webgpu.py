@@ -55,7 +55,7 @@ def test_the_device_call_runs_with_the_cpu_standing_in(tmp_path):
     the profile case (--faster 100: every exact step variant counts as faster)."""
     r = subprocess.run([sys.executable, str(REPO / "bench" / "webgpu_profile.py"), "device", str(tmp_path), "--stand-in",
                         "--case", "tiny-2x32", "--profile-case", "tiny-1x64", "--steps", "2", "--faster", "100",
-                        "--variants", "base,validation-off,train-only,graph-capture"],
+                        "--variants", "base,validation-off,train-only,graph-capture,fp16-gemm"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((tmp_path / "profile.json").read_text())
@@ -72,7 +72,9 @@ def test_the_device_call_runs_with_the_cpu_standing_in(tmp_path):
     assert alone["timed"] == len(train["matmul_shapes"]) and alone["matmul_ms_per_step"] > 0
     assert alone["flop_share_timed"] == 1.0 and all(r["on"] for r in alone["shapes"])
     v = s["variants"]
-    assert set(v) == {"base", "validation-off", "train-only", "graph-capture"}
+    assert set(v) == {"base", "validation-off", "train-only", "graph-capture", "fp16-gemm"}
+    assert v["fp16-gemm"]["fp16_matmuls"] > 10 and sum(v["fp16-gemm"]["matmuls_on"].values()) > 0
+    assert v["fp16-gemm"]["grad_cos_vs_base"] > 0.999  # the CPU drops the casts (no fp16 MatMul): exact here
     assert v["validation-off"]["session_got"]["validationMode"] == "disabled"  # as ort_webgpu.DEFAULTS passes it
     assert v["graph-capture"]["session_got"]["enableGraphCapture"] == "1"
     assert v["validation-off"]["losses"] == v["base"]["losses"] and v["validation-off"]["grad_cos_vs_base"] == 1.0
