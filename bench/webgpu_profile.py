@@ -344,6 +344,8 @@ def brief(summary: dict) -> None:
                                             "gpu_kernel_events", "gpu_ms_per_run", "cpu_matmul_share",
                                             "gpu_matmul_share")}
         head[kind]["top"] = [(x["name"], x["ms_per_step"]) for x in (r.get("gpu_top_ops") or r["cpu_top_ops"])[:8]]
+        head[kind]["top_nodes"] = [(x["name"][-60:], x.get("op"), x["ms_per_step"], x.get("inputs"))
+                                   for x in (r.get("gpu_top_nodes") or r["cpu_top_nodes"])[:5]]
     runs = (prof.get("profile") or {}).values()
     head["cpu_dispatch_ms_per_step"] = round(sum(r.get("cpu_dispatch_ms_per_run", 0) for r in runs), 1)  # all graphs
     print(json.dumps({"profile": head, "placement": prof.get("placement"), "off_webgpu": prof.get("off_main")}))
