@@ -137,7 +137,8 @@ def test_provider_options_are_checked_against_the_plugins(monkeypatch):
     monkeypatch.delenv("LORAC_ORT_EP_OPTIONS")
     assert ort_webgpu.options() == {"validationMode": "disabled", "maxNumPendingDispatches": "64"}
     assert ort_webgpu.options("dawnBackendType=Vulkan;enableInt64=1")["enableInt64"] == "1"
-    for text, why in (("validationmode=disabled", r"the WebGPU plugin has no option 'validationmode'; it reads validationMode, "),
+    for text, why in (("validationmode=disabled", r"'validationmode' is not one of the WebGPU plugin's options lorac "
+                                                  r"passes: validationMode, "),
                       ("validationMode=off", r"validationMode='off': the WebGPU plugin takes disabled \| wgpuOnly"),
                       ("maxNumPendingDispatches=", r"maxNumPendingDispatches='': the WebGPU plugin takes a value"),
                       ("validationMode", r"'validationMode' is not key=value"),

@@ -25,8 +25,9 @@ INSTALL = "pip install 'lorac[webgpu]'"
 BACKENDS = {"Linux": "Vulkan", "Darwin": "Metal", "Windows": "D3D12"}  # what Dawn runs on, per OS
 _registered: set = set()  # ids of the onnxruntime modules the library is registered with
 
-# The plugin's provider options (the keys its library reads, each as the session entry
-# "ep.webgpuexecutionprovider.<key>"; onnxruntime's webgpu_provider_options.h) -> the values it
+# The plugin's provider options that bear on training (keys its 0.4.0 library reads, each as the
+# session entry "ep.webgpuexecutionprovider.<key>"; onnxruntime's webgpu_provider_options.h; not
+# the KV-cache ones, nor the handles of a caller's own Dawn instance or device) -> the values it
 # accepts (None: a number or a name). Its defaults: validationMode basic, storage buffers cached
 # in buckets, uniform ones simply, maxNumPendingDispatches 16 (one queue submit per 16 kernels),
 # no graph capture, int64 kernels off (int64 nodes run on the CPU).
@@ -175,7 +176,7 @@ def options(text: str | None = None) -> dict[str, str]:
         if not eq:
             raise LoracError(f"LORAC_ORT_EP_OPTIONS: {item.strip()!r} is not key=value")
         if key not in OPTIONS:
-            raise LoracError(f"LORAC_ORT_EP_OPTIONS: the WebGPU plugin has no option {key!r}; it reads "
+            raise LoracError(f"LORAC_ORT_EP_OPTIONS: {key!r} is not one of the WebGPU plugin's options lorac passes: "
                              f"{', '.join(OPTIONS)}")
         allowed = OPTIONS[key]
         if (allowed and value not in allowed) or (allowed is None and not value):
