@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from .ops.attention import Mask, attention_backward, attention_forward
 from .builder import GraphBuilder
-from .ops.linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
+from .ops.linear import (Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward,
+                         projection_backward)
 from .ops.mlp import swiglu_backward, swiglu_forward
 from .ops.norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward
 from .ops.rope import rope_at, rope_backward, rope_forward, rope_tables
@@ -103,9 +104,20 @@ class Ctx:
             self.cos, self.sin = rope_at(g, g.fconst(cos), g.fconst(sin), positions)
 
 
+EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")  # HF's input embedding and untied LM head
+
+
+def declare_embeddings(g: GraphBuilder, spec, train: TrainSpec, names=EMBEDDINGS):
+    """(input embedding, LM head): the frozen [V, D] tables `names`, dense or, where TrainSpec.quant
+    names them, quantized (graphs/ops/quant.py: the lookup dequantizes the rows it reads, the loss
+    the head's vocabulary slices); a tied model's head is its embedding, one input for both."""
+    embed = frozen_weight(g, train, names[0], spec.vocab, spec.hidden)
+    return embed, embed if spec.tied else frozen_weight(g, train, names[1], spec.vocab, spec.hidden)
+
+
 def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
     """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
-    embed = g.input("model.embed_tokens.weight", [spec.vocab, spec.hidden])
+    embed, head = declare_embeddings(g, spec, train)
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -123,7 +135,6 @@ def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
             ln.proj[t] = p
         layers.append(ln)
     final_norm = g.input("model.norm.weight", [spec.hidden])
-    head = embed if spec.tied else g.input("lm_head.weight", [spec.vocab, spec.hidden])
     return embed, layers, final_norm, head
 
 
@@ -195,8 +206,8 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
 
 
 def embed(g, table, ids, spec, train):
-    """Token embedding: Gather rows of the frozen table -> [N, D] (frozen: no backward)."""
-    return g.reshape(g.op("Gather", table, ids, axis=0), train.batch * train.seq, spec.hidden)
+    """Token embedding: the rows of the frozen table -> [N, D] (frozen: no backward)."""
+    return gather_rows(g, table, ids, train.batch * train.seq, spec.hidden)
 
 
 def lora_tensor_names(spec: ModelSpec, train: TrainSpec) -> list[str]:

@@ -110,11 +110,20 @@ def frozen_sizes(weights: dict) -> tuple[int, int]:
 def dequant_workspace(spec, train, dtype: str) -> int:
     """Bytes of the dense copies quantized weights are dequantized into: each lives from its
     dequantization to the GEMM that reads it; two of the largest at once (the next layer's
-    may be formed while the last is read)."""
+    may be formed while the last is read). A quantized LM head is read in vocabulary slices
+    (graphs/ops/loss.py head_slices): a slice counts as a projection does. A quantized
+    embedding's lookup dequantizes only the rows it reads ([T, D], at the step's start, far from
+    its peak: not counted)."""
+    from lorac.graphs.families import for_spec
+    from lorac.graphs.ops.loss import head_slices
     if not train.quant:
         return 0
-    widest = max(math.prod(spec.proj_shape(name.split(".")[-2])) for name, _ in train.quant)
-    return 2 * widest * (2 if dtype == "bfloat16" else 4)
+    tables = for_spec(spec).EMBEDDINGS
+    head = tables[0] if spec.tied else tables[1]
+    sizes = [math.prod(spec.proj_shape(name.split(".")[-2])) for name, _ in train.quant if name not in tables]
+    if head in dict(train.quant):
+        sizes.append(max(hi - lo for lo, hi in head_slices(spec.vocab, spec.hidden, train.head_slices)) * spec.hidden)
+    return 2 * max(sizes, default=0) * (2 if dtype == "bfloat16" else 4)
 
 
 def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes: int = 0) -> int | None:

@@ -61,6 +61,8 @@ class Run:
         quant = _quantized(weights, self.log)
         from .memory import frozen_sizes
         self.plan, self.adapter = _plan(cfg, self.model_config, frozen_sizes(weights), quant, dp, self.log)
+        from ..model.quant.embeddings import quantize_tables
+        weights = quantize_tables(weights, self.plan.train.quant)  # --quantize-embeddings, as planned
         self.cfg = cfg = self.plan.cfg
         self.spec, self.train_spec = self.plan.spec, self.plan.train
         data_path, self.eval_path = data_files(cfg)
@@ -149,7 +151,7 @@ def _plan(cfg: TrainConfig, model_config: dict, frozen: tuple[int, int], quant: 
         adapter = read_adapter(cfg.adapter, spec)
         log(f"adapter: {adapter.describe()}")
     saved = None
-    if cfg.resume and cfg.checkpointing == "auto":  # the checkpoint's graph
+    if cfg.resume and "auto" in (cfg.checkpointing, cfg.quantize_embeddings):  # the checkpoint's graph
         from .saved import SavedRun
         saved = SavedRun.read(cfg.resume)
     return plan_run(cfg, spec, model_config, frozen, quant=quant, adapter=adapter, saved=saved, dp=dp,
