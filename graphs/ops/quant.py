@@ -136,7 +136,7 @@ class QuantWeight:
         v = self.values
         if self.q.kind == "nf4":  # absmax as [out, in/block]: whole blocks a row
             per = self.inp // self.q.block
-            codes = nf4_select(g, pick(v["nf4"]), v["nf4_code"])  # [n, in/2, 2]
+            codes = nf4_select(g, pick(v["nf4"]), v)  # [n, in/2, 2]
             absmax = pick(g.reshape(v["absmax"], self.out, per))
             w = g.reshape(g.op("Mul", g.reshape(codes, n, per, self.q.block), g.op("Unsqueeze", absmax, g.ints(2))),
                           n, self.inp)
@@ -197,28 +197,31 @@ def _need(arrays, stem, suffixes):
 
 # ------------------------------------------------------------------ nf4
 
-def nf4_select(g, packed, code):
-    """code[b >> 4], code[b & 15] of every byte b of `packed` [..., k] -> float32 [..., k, 2], by a
-    select per code value (the 16 code values sliced out of the input) instead of a Gather into
-    the code pairs: elementwise, so the compiler fuses it with what reads the bytes before and
-    the absmax product after into one kernel writing the dequantized weight. A Gather's int32
-    indices and its fp32 pairs were each written whole first: in the compiled CUDA plan of a
-    Llama-3-8B-width step, 117 MB and 235 MB beside a [14336, 4096] projection's 117 MB bf16
-    copy, 96 and 192 MB beside a 96 MB head slice (2 layers 1x2048, NF4 embeddings, offload:
-    plan 918 -> 726 MB). Exact: each value is one of the 16 inputs."""
-    values = [g.slice(code, k, k + 1, 0) for k in range(16)]  # [1] each
+def nf4_select(g, packed, v: dict):
+    """code[b >> 4], code[b & 15] of every byte b of `packed` [..., k] -> float32 [..., k, 2] (`v`: the
+    weight's inputs, code = v["nf4_code"]), by selects on the nibbles' bits (a tree of 15 Wheres over
+    the 16 code values, sliced out of the input once a weight) instead of a Gather into the code
+    pairs: elementwise, so the compiler fuses it with what reads the bytes before and the absmax
+    product after into one kernel writing the dequantized weight. A Gather's int32 indices and its
+    fp32 pairs were each written whole first: in the compiled CUDA plan of a Llama-3-8B-width step,
+    117 MB and 235 MB beside a [14336, 4096] projection's 117 MB bf16 copy, 96 and 192 MB beside a
+    96 MB head slice (2 layers 1x2048, NF4 embeddings, offload: plan 918 -> 726 MB). Exact: each
+    value is one of the 16 inputs."""
+    if "code_values" not in v:  # [1] each, shared by every read of this weight
+        v["code_values"] = [g.slice(v["nf4_code"], k, k + 1, 0) for k in range(16)]
 
-    def pick(nibble):
-        out = values[0]
-        for k in range(1, 16):
-            out = g.op("Where", g.op("Equal", nibble, g.const(np.uint8(k))), values[k], out)
-        return g.op("Unsqueeze", out, g.ints(-1))
-    return g.op("Concat", pick(_shr(g, packed, 4)), pick(_and(g, packed, 0x0F)), axis=-1)
+    def pick(first_bit: int):
+        level = v["code_values"]
+        for bit in range(first_bit, first_bit + 4):  # the lowest bit first: pairs, then pairs of pairs
+            on = g.op("Cast", _and(g, packed, 1 << bit), to=ir.DataType.BOOL)
+            level = [g.op("Where", on, hi, lo) for lo, hi in zip(level[0::2], level[1::2])]
+        return g.op("Unsqueeze", level[0], g.ints(-1))
+    return g.op("Concat", pick(4), pick(0), axis=-1)
 
 
 def nf4_dense(g, q: Quant, v: dict, out: int, inp: int):
     nb, ns = nf4_blocks(q, out, inp)
-    codes = nf4_select(g, v["nf4"], v["nf4_code"])  # [out, in/2, 2]
+    codes = nf4_select(g, v["nf4"], v)  # [out, in/2, 2]
     if q.double:
         scale = g.op("Expand", g.op("Unsqueeze", v["absmax_scale"], g.ints(1)), g.ints(ns, NESTED))
         scale = g.reshape(scale, ns * NESTED)

@@ -32,6 +32,19 @@ def _quantized(weights: dict, log) -> tuple:
     return quant
 
 
+def _check_tables(cfg: TrainConfig, source) -> None:
+    """--quantize-embeddings nf4|int8 on a model whose tables the format cannot hold: refused from
+    its config, before any weight is read."""
+    from ..model.quant.embeddings import KINDS, embedding_quant
+    if cfg.quantize_embeddings in KINDS:
+        from lorac.graphs import ModelSpec
+        try:
+            spec = ModelSpec.from_hf_config(source.config())
+        except ValueError:
+            return  # the plan names what the model has that lorac does not implement
+        embedding_quant(spec, cfg.quantize_embeddings)
+
+
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
     """PEFT's lora_A init, kaiming_uniform_(a=sqrt(5)): bound = sqrt(6/((1+a^2) fan_in)) = 1/sqrt(fan_in)."""
     bound = 1.0 / math.sqrt(shape[1])
@@ -57,6 +70,7 @@ class Run:
             self.log = lambda msg: None
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
+        _check_tables(cfg, self.source)
         self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, cfg.keeps_quantized())
         quant = _quantized(weights, self.log)
         from .memory import frozen_sizes
