@@ -107,17 +107,22 @@ class Ctx:
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")  # HF's input embedding and untied LM head
 
 
-def declare_embeddings(g: GraphBuilder, spec, train: TrainSpec, names=EMBEDDINGS):
-    """(input embedding, LM head): the frozen [V, D] tables `names`, dense or, where TrainSpec.quant
-    names them, quantized (graphs/ops/quant.py: the lookup dequantizes the rows it reads, the loss
-    the head's vocabulary slices); a tied model's head is its embedding, one input for both."""
-    embed = frozen_weight(g, train, names[0], spec.vocab, spec.hidden)
-    return embed, embed if spec.tied else frozen_weight(g, train, names[1], spec.vocab, spec.hidden)
+def declare_embedding(g: GraphBuilder, spec, train: TrainSpec, names=EMBEDDINGS):
+    """The input embedding [V, D], `names[0]`: dense, or where TrainSpec.quant names it quantized
+    (graphs/ops/quant.py: the lookup dequantizes only the rows it reads)."""
+    return frozen_weight(g, train, names[0], spec.vocab, spec.hidden)
+
+
+def declare_head(g: GraphBuilder, spec, train: TrainSpec, embed, names=EMBEDDINGS):
+    """The LM head [V, D]: a tied model's embedding itself (one input for both reads), else `names[1]`,
+    dense or quantized (graphs/ops/loss.py reads a quantized head in vocabulary slices). Declared
+    after the layers, where the graphs have always had it."""
+    return embed if spec.tied else frozen_weight(g, train, names[1], spec.vocab, spec.hidden)
 
 
 def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
     """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
-    embed, head = declare_embeddings(g, spec, train)
+    embed = declare_embedding(g, spec, train)
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -135,7 +140,7 @@ def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
             ln.proj[t] = p
         layers.append(ln)
     final_norm = g.input("model.norm.weight", [spec.hidden])
-    return embed, layers, final_norm, head
+    return embed, layers, final_norm, declare_head(g, spec, train, embed)
 
 
 def _heads(g, x, n_heads, ctx: Ctx):

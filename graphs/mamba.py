@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .builder import GraphBuilder
 from .ops.conv import conv_backward, conv_forward
-from .decoder import declare_embeddings, embed  # noqa: F401 - the same token embedding (compose.py calls it)
+from .decoder import declare_embedding, declare_head, embed  # noqa: F401 - the same token embedding (compose.py calls it)
 from .ops.linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
 from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
 from .ops.mlp import swiglu_backward, swiglu_forward
@@ -95,7 +95,7 @@ class Ctx:
 def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
     """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
     D, I, M, K = spec.hidden, spec.intermediate, spec.state, spec.conv_kernel
-    table, head = declare_embeddings(g, spec, train, EMBEDDINGS)
+    table = declare_embedding(g, spec, train, EMBEDDINGS)
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -112,7 +112,7 @@ def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
             L.proj[t] = p
         layers.append(L)
     final_norm = g.input("backbone.norm_f.weight", [D])
-    return table, layers, final_norm, head
+    return table, layers, final_norm, declare_head(g, spec, train, table, EMBEDDINGS)
 
 
 def silu_forward(g, x):

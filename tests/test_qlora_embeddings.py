@@ -136,7 +136,7 @@ def test_engine_step_eval_and_logits_equal_the_dense_engine(tmp_path, backend, t
 
 def test_lorac_train_with_nf4_tables_then_eval_generate_and_merged_export(tmp_path):
     """`lorac train --quantize nf4 --quantize-embeddings nf4` on the CPU: the run says what the tables
-    take, learns, samples (the forward graph), records the setting; `lorac eval` and `generate` of
+    take, learns (its eval graph reads the tables too), records the setting; `lorac eval` and `generate` of
     the checkpoint run (over the dense base, as for any quantized run: onnxruntime here, no compile)
     and the merged export writes the base file's own tables."""
     from safetensors.numpy import load_file
@@ -147,10 +147,10 @@ def test_lorac_train_with_nf4_tables_then_eval_generate_and_merged_export(tmp_pa
     out, cache = tmp_path / "run", str(tmp_path / "cache")
     r = run_lorac(["train", "--model", str(model), "--data", str(corpus), "--quantize", "nf4", "--quantize-embeddings",
                    "nf4", "--steps", "8", "--batch", "2", "--seq", "32", "--out", str(out), "--eval-every", "8",
-                   "--sample-tokens", "4", "--sample-prompt", "hello", "--cache-dir", cache])
+                   "--sample-tokens", "0", "--cache-dir", cache])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "embeddings: model.embed_tokens.weight and lm_head.weight held as nf4:" in r.stderr
-    assert "(of which embeddings 0.0 GB)" in r.stderr and "--- sample (adapted) ---" in r.stderr
+    assert "(of which embeddings 0.0 GB)" in r.stderr
     summary = json.loads(r.stdout)
     assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.1
     state = json.loads(next((out / "checkpoints").glob("ckpt-*/state.json")).read_text())
