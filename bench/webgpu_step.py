@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DIR = REPO / ".devcarry" / "webgpu"
 WHEELS = ["onnxruntime==1.32.0", "onnxruntime-ep-webgpu==0.4.0", "onnx==1.23.2", "onnx-ir==1.1.0",
-          "protobuf>=4.25.8", "flatbuffers"]
+          "protobuf>=4.25.8", "flatbuffers", "gguf==0.19.0"]  # gguf: the default run's model
 # the exactness run: every backend trains the same 20 steps of the tiny model (fp32)
 EXACT = ["--steps", "20", "--batch", "4", "--seq", "64", "--lr", "2e-3", "--eval-every", "10", "--save-every", "10",
          "--eval-batches", "2", "--sample-tokens", "0", "--progress", "lines", "--seed", "0"]
@@ -54,8 +54,13 @@ CASES = {"40m-8x1024": (QWEN3_40M, "qwen3-40m", 8, 1024), "q06-8x1024": (QWEN3_0
          "40m-4x256": (QWEN3_40M, "qwen3-40m", 4, 256)}
 
 
-def lorac(*args: str, **kw) -> subprocess.CompletedProcess:
-    code = "import sys; sys.modules['torch'] = None; from lorac.runtime.cli import main; sys.exit(main(sys.argv[1:]))"
+def lorac(*args: str, stand_in: bool = False, **kw) -> subprocess.CompletedProcess:
+    """`lorac ARGS` in a child process without torch; stand_in: the CPU standing in for the WebGPU
+    adapter (tests/webgpu_stand_in.py: no GPU needed)."""
+    code = "import sys; sys.modules['torch'] = None; "
+    if stand_in:
+        code += f"sys.path.insert(0, {str(REPO / 'tests')!r}); import webgpu_stand_in; webgpu_stand_in.install(); "
+    code += "from lorac.runtime.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, **kw)
 
 

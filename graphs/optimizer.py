@@ -17,7 +17,7 @@ from lorac.core.loraplus):
 Where() picks per element and does not propagate NaN from the branch it drops, so the
 skipped case returns the inputs bit for bit. The caller must not advance `step` then.
 
-Ops: Mul, Add, Sub, Div, Neg, Sqrt, Exp, Log, Equal, Less, Min, ReduceSum, Reshape, IsNaN, IsInf, Or, Not, Where,
+Ops: Mul, Add, Sub, Div, Neg, Sqrt, Exp, Less, Min, ReduceSum, Reshape, IsNaN, IsInf, Or, Not, Where,
 Cast, Identity: default domain only, all in TVM 0.27's ONNX frontend map. Each bucket's
 update is a unit (AdamWStep, a local function of those ops): a compiler may run it as one
 kernel that updates p, m and v in place (CUDA: compiler/units/adamw.py). Reductions keep
@@ -168,28 +168,41 @@ def _sum_squares(g: GraphBuilder, x, size: int):
     return g.reduce_sum(g.reduce_sum(g.op("Mul", rows, rows), 1, keepdims=0), 0)
 
 
+SERIES_BELOW = 1.0  # |q| under which expm1(q) is its Taylor series (_one_minus_pow)
+SERIES_TERMS = 13  # q^14/14! < 1.2e-11 relative at |q| = 1
+
+
 def _one_minus_pow(g: GraphBuilder, b: float, t):
-    """1 - b^t, accurate in float32 also where b^t is close to 1.
+    """1 - b^t, accurate in float32 also where b^t is close to 1, on any device: only Exp,
+    Mul, Add and selects, no Log.
 
     The plain form cancels: in float32, 1 - 0.999**1 = 0.00099998713 (1.3e-5 relative
-    error, 6e-6 after the sqrt), i.e. the first updates would be off by 6e-6. Write it as
-    -expm1(q) with q = t*ln(b) (ln b taken in float64 and rounded once) and evaluate expm1
-    with Kahan's trick: u = exp(q); expm1(q) = (u - 1) * q / ln(u), exact when u == 1 (the
-    rounding errors of u - 1 and ln(u) cancel in the ratio, leaving a few ulp). Measured on
-    onnxruntime for t = 1..200000 and b in (0.5, 0.9, 0.999, 0.99999): <= 2e-7 relative.
+    error, 6e-6 after the sqrt), i.e. the first updates would be off by 6e-6. So it is
+    -expm1(q) with q = t*ln(b) (ln b taken in float64 and rounded once):
+    - |q| < 1: expm1's Taylor series, q(1 + q/2(1 + q/3(1 + ... (1 + q/13)))) in Horner form,
+      Mul and Add only (correctly rounded everywhere): a few ulp;
+    - q <= -1: u - 1 with u = exp(q) <= 0.37, which does not cancel: exp's error (a few ulp
+      of u, more on GPUs: Vulkan allows 3 + 2|q| ulp) stays under 0.6x that relative.
+    The previous form, Kahan's (u - 1) q / log(u), needs log(u) to a few ulp relative near 1,
+    and GPU logs are specified in absolute error there (Vulkan, so WebGPU: 2^-21 on [0.5, 2]):
+    log(0.999) ~ -1e-3 may lose 4.8e-4 of its value, and 1 - b2^t and every update with it
+    (on the CPU that reproduces the size of `--target webgpu`'s 20-step drift on the H200:
+    docs/BENCHMARKS.md, WebGPU).
+    For t = 1..200000, b in (0.5, 0.9, 0.999, 0.99999) on onnxruntime's CPU provider: <= 1.7e-7
+    relative; with exp and log as inexact as Vulkan allows, <= 4.5e-7 (Kahan's form: 5e-2).
+    tests/test_optim.py, test_bias_correction_*.
     """
     if b == 0.0:
         return g.f(1.0)  # no momentum: 1 - 0^t = 1 for t >= 1
     q = g.op("Mul", t, g.f(math.log(b)))
-    u = g.op("Exp", q)
-    um1 = g.op("Sub", u, g.f(1.0))
-    # far from 0 (u < 0.61) plain u - 1 has no cancellation, and Kahan's form would divide
-    # by ln(0) = -inf once u underflows; near 0 use Kahan's, with u == 1 meaning q itself
-    direct = g.op("Or", g.op("Less", q, g.f(-0.5)), g.op("Equal", u, g.f(1.0)))
-    log_u = g.op("Log", g.op("Where", direct, g.f(0.5), u))  # 0.5: any value with log != 0
-    kahan = g.op("Div", g.op("Mul", um1, q), log_u)
-    near_one = g.op("Equal", u, g.f(1.0))
-    em1 = g.op("Where", near_one, q, g.op("Where", direct, um1, kahan))
+    far = g.op("Less", q, g.f(-SERIES_BELOW))
+    qs = g.op("Where", far, g.f(-SERIES_BELOW), q)  # the series' argument, bounded (its branch is unused there)
+    r = g.op("Add", g.f(1.0), g.op("Mul", qs, g.f(1.0 / SERIES_TERMS)))
+    for k in range(SERIES_TERMS - 1, 1, -1):
+        r = g.op("Add", g.f(1.0), g.op("Mul", g.op("Mul", qs, g.f(1.0 / k)), r))
+    series = g.op("Mul", qs, r)
+    direct = g.op("Sub", g.op("Exp", q), g.f(1.0))
+    em1 = g.op("Where", far, direct, series)
     return g.op("Neg", em1)
 
 

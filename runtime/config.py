@@ -47,11 +47,11 @@ class TrainConfig:
     batch: int = setting(4, "sequences per micro-batch; with --gpus N, of all workers together "
                          "(--per-device-train-batch-size: per worker, as in TRL)")
     seq: int = setting(128, "tokens per sequence")
-    # "auto": isolated where the family has it, plain for Mamba and on cuda (train/plan.py resolve_packing; docs/DATA.md)
+    # "auto": isolated where the family has it, plain for Mamba (train/plan.py resolve_packing; docs/DATA.md)
     packing: str = setting("auto", "how documents share a packed row: isolated (each attends only within itself "
                            "and its positions restart, as TRL's padding-free packing), plain (attention crosses "
-                           "documents), or auto: isolated, but plain for Mamba and on cuda, where isolated "
-                           "attention is not yet on cuDNN (docs/DATA.md)")
+                           "documents), or auto: isolated, but plain for Mamba, whose layers carry state across "
+                           "documents (docs/DATA.md)")
     # "none": today's stream packing, unchanged data for old runs and checkpoints (runtime/data/fit.py)
     truncate: str = setting("none", "prompt-left: cut prompts longer than a row from the left (the answer is kept) "
                             "and keep each example that fits within one row, padding the rest of a row; none: "

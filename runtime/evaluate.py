@@ -64,6 +64,9 @@ def cmd_eval(args) -> int:
     eng, tok, lora, _, cfg = engine_for(args)
     data = load_dataset(args.data, tok, eng.train.seq, eng.spec.vocab, eval_fraction=0.0, eval_path=args.data,
                         packing=eng.train.packing, truncate=cfg.truncate)  # --truncate, else the checkpoint's
+    if eng.train.packing == "isolated":  # before the eval artifact loads (CUDA sizes its packed attention by it)
+        from . import devices
+        devices.for_target(cfg.target).reserve_documents(data.max_documents())
     warning = dropped_rows_warning(data.describe(), splits=("eval",))
     if warning:
         print(warning, file=sys.stderr)

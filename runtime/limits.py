@@ -47,15 +47,14 @@ def lora_params(spec, train) -> int:
 def step_bytes_lower_bound(spec, train, n_weights: int, device, itemsize: int = 4, packed_bytes: int = 0) -> int:
     """A lower bound on the bytes one training step needs on `device` (module doc). The frozen
     weights count in the device's default dtype (bf16 on CUDA); where attention is a fused
-    kernel (cuDNN) it holds no [S, S] probabilities, except for packed documents (--packing
-    isolated), whose attention is inlined (bf16 scores). `n_weights` dense frozen elements;
-    `packed_bytes` of quantized blocks (train/memory.frozen_sizes)."""
+    kernel (cuDNN, packed documents too) it holds no [S, S] probabilities. `n_weights` dense
+    frozen elements; `packed_bytes` of quantized blocks (train/memory.frozen_sizes)."""
     from lorac.core.dtypes import as_dtype
     b, s, layers = train.batch, train.seq, len(train.layers(spec))
     lora = lora_params(spec, train)
     attention = b * spec.heads * s * s if hasattr(spec, "heads") else 0  # Mamba has none
     if device.FUSED_ATTENTION:
-        attention = attention // 2 if getattr(train, "packing", "plain") == "isolated" else 0
+        attention = 0
     weights = n_weights * as_dtype(device.DEFAULT_DTYPE).itemsize // 4
     chunk = min(train.loss_chunk or b * s, b * s)
     return packed_bytes + itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)

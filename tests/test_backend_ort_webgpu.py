@@ -17,46 +17,13 @@ from tiny_model import make_workdir
 
 ort = pytest.importorskip("onnxruntime")
 from lorac.runtime.cli import main  # noqa: E402
-from lorac.runtime.engine import ort as engine_ort  # noqa: E402
 from lorac.runtime.engine import ort_webgpu  # noqa: E402
-
-ADAPTER = {"execution_provider": "WebGpuExecutionProvider", "vendor": "stand-in", "vendor_id": "0x0000",
-           "device_id": "0x0000", "type": "CPU", "graphics_api": "none (the CPU standing in)"}
-
-
-class StandInValues(engine_ort.DeviceValues):
-    """DeviceValues over CPU memory (the CPU entry declares no memory info; the CPU's allocator
-    stands in), copies through numpy. Logs every put and read."""
-    log: list = []
-
-    def __init__(self, ort_module, ep_device, session=None):
-        super().__init__(ort_module, ep_device, session=session, copy=self._copy)
-        self.copies = 0
-
-    def empty(self, shape, dtype=np.float32):
-        return self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype)
-
-    def _copy(self, src, dst):
-        self.copies += 1
-        for s, d in zip(src, dst, strict=True):
-            d.update_inplace(s.numpy())
-
-    def put(self, arrays):
-        StandInValues.log.append(("put", len(arrays)))
-        return super().put(arrays)
-
-    def read(self, values):
-        StandInValues.log.append(("read", len(values)))
-        return super().read(values)
+from webgpu_stand_in import ADAPTER, install  # noqa: E402
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    cpu = next(d for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider")
-    monkeypatch.setattr(ort_webgpu, "open_device", lambda ort_module: (cpu, dict(ADAPTER)))
-    monkeypatch.setattr(engine_ort, "DeviceValues", StandInValues)
-    StandInValues.log = []
-    return StandInValues
+    return install(monkeypatch.setattr)
 
 
 def _tiny():
@@ -107,7 +74,7 @@ def test_device_resident_path_with_the_cpu_standing_in(stand_in):
     host = OrtEngine(spec, train, weights, "cpu", optim_cfg=cfg, log=lambda m: None)
     logs = []
     dev = OrtEngine(spec, train, weights, "webgpu", optim_cfg=cfg, log=logs.append)
-    assert isinstance(dev._values, StandInValues) and dev.providers == ["WebGpuExecutionProvider",
+    assert isinstance(dev._values, stand_in) and dev.providers == ["WebGpuExecutionProvider",
                                                                         "CPUExecutionProvider"]
     assert dev.describe()["adapter"] == ADAPTER and "stand-in" in logs[0] and "buffers on the device" in logs[0]
     (hr, hs), (dr, ds) = _drive(host, spec), _drive(dev, spec)
@@ -156,8 +123,9 @@ def test_lorac_train_eval_generate_target_webgpu_with_the_cpu_standing_in(tmp_pa
     assert summary["device"]["adapter"] == ADAPTER and summary["device"]["target"] == "webgpu"
     assert summary["device"]["providers"][0] == "WebGpuExecutionProvider" and summary["adapter"]
     from lorac.runtime.train.checkpoint import read_state
-    saved = read_state(tmp_path / "webgpu" / "checkpoints" / "ckpt-000004")["train_config"]
-    assert (saved["backend"], saved["target"]) == ("ort", "webgpu")
+    state = read_state(tmp_path / "webgpu" / "checkpoints" / "ckpt-000004")
+    assert (state["train_config"]["backend"], state["train_config"]["target"]) == ("ort", "webgpu")
+    assert state["device"]["adapter"] == ADAPTER  # the checkpoint says which adapter trained it
     # its checkpoint resumes on the CPU provider and gives the uninterrupted run's steps
     ckpt = tmp_path / "webgpu" / "checkpoints" / "ckpt-000002"
     assert main(_args(d, tmp_path / "resumed", 4, "--backend", "ort", "--resume", str(ckpt))) == 0

@@ -29,6 +29,9 @@ def test_the_webgpu_entry_is_chosen_gpu_first():
     assert info["vendor"] == "NVIDIA" and info["vendor_id"] == "0x10de" and info["device_id"] == "0x2335"
     assert info["type"] == "GPU" and info["metadata"]["Discrete"] == "1" and info["metadata"]["ep.version"] == "0.4.0"
     assert info["graphics_api"] in ("Vulkan", "Metal", "D3D12") or info["graphics_api"]
+    assert info["graphics_api_from"].endswith("'s default")
+    chosen = ort_webgpu.describe(_entry(ort_webgpu.EP), {"dawnBackendType": "Vulkan", "validationMode": "basic"})
+    assert (chosen["graphics_api"], chosen["graphics_api_from"]) == ("Vulkan", "the dawnBackendType option")
 
 
 def test_no_adapter_is_one_line_naming_what_to_install():

@@ -325,31 +325,49 @@ def test_tvm_cpu_build_matches_onnxruntime(tmp_path):
 
 
 @pytest.mark.parametrize("dtype,ckpt", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
-def test_cuda_pipeline_schedules_the_inlined_packed_attention(dtype, ckpt):
+def test_cuda_pipeline_maps_the_packed_attention_to_cudnn(dtype, ckpt):
     """No GPU needed: the CUDA Relax passes (bf16 rewrite, GEMM dispatch, DLight) over a
-    packed graph leave no kernel unscheduled, and the packed units are inlined (cuDNN's
-    SDPA mapping takes only the plain units), not mapped."""
+    packed graph leave no kernel unscheduled; in bf16 the packed units become cuDNN's packed
+    calls, as many as the plain graph's plain calls (2 layers x forward, backward, and the
+    recomputed forwards with checkpointing), each taking position_ids; fp32 inlines them."""
     pytest.importorskip("tvm")
+    from tvm import relax
     from test_compiler_gpu_passes import _calls, _cuda_plan
     spec, train, model = _small_packed(checkpointing=ckpt)
     plan = _cuda_plan(model, dtype)
     assert plan["static_plan_bytes"] > 0
-    assert _calls(plan["_mod"]["main"])["attention"] == 0
-    if dtype == "bfloat16" and not ckpt:  # the plain graph's units do go to cuDNN: 2 layers x fwd, bwd
-        plain = build_training_graph(spec, TrainSpec(**{**train.__dict__, "packing": "plain"}))
-        assert _calls(_cuda_plan(plain, dtype)["_mod"]["main"])["attention"] == 4
+    calls = []
+    relax.analysis.post_order_visit(plan["_mod"]["main"], lambda e: isinstance(e, relax.Call) and isinstance(
+        e.op, relax.ExternFunc) and e.op.global_symbol.startswith("lorac.attention") and calls.append(e))
+    plain = build_training_graph(spec, TrainSpec(**{**train.__dict__, "packing": "plain"}))
+    n_plain = _calls(_cuda_plan(plain, dtype)["_mod"]["main"])["attention"]
+    if dtype == "float32":
+        assert calls == [] and n_plain == 0
+        return
+    assert len(calls) == n_plain == (6 if ckpt else 4)
+    fwd = [c for c in calls if c.op.global_symbol == "lorac.attention_packed_fwd"]
+    bwd = [c for c in calls if c.op.global_symbol == "lorac.attention_packed_bwd"]
+    assert len(fwd) + len(bwd) == len(calls) and len(bwd) == 2
+    for c, at in [(c, 3) for c in fwd] + [(c, 6) for c in bwd]:  # q, k, v (, o, do, lse), pos, then the outputs
+        assert [int(d) for d in c.args[at].ty.shape.values] == [2, 9] and c.args[at].ty.dtype == "int64"
+        assert [str(a.ty.dtype) for a in c.args[:3]] == ["bfloat16"] * 3
+    lse = fwd[0].args[-1].ty  # cuDNN's ragged stats: token-major [B, S, H, 1]
+    assert [int(d) for d in lse.shape.values] == [2, 9, spec.heads, 1] and lse.dtype == "float32"
 
 
-def test_cuda_build_inlines_the_packed_units(tmp_path):
+def test_cuda_build_maps_the_packed_units(tmp_path):
     import shutil
     pytest.importorskip("tvm")
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc (the pipeline itself is checked above)")
     from lorac.compiler import compile_graph
-    _, _, model = _small_packed()
+    spec, _, model = _small_packed()
     m = json.loads((compile_graph(model, target="cuda", out_dir=tmp_path / "cu", dtype="bfloat16")
                     / "manifest.json").read_text())
-    assert m["units"] == ["SwiGLUGrad"] and m["unit_calls"] == []  # attention inlined; SwiGLU's backward mapped
+    assert m["units"] == ["PackedCausalAttention", "PackedCausalAttentionGrad", "SwiGLUGrad"]
+    want = {"B": 2, "S": 9, "H": spec.heads, "K": spec.kv_heads, "Dh": spec.head_dim}
+    assert sorted(c["function"] for c in m["unit_calls"]) == ["lorac.attention_packed_bwd", "lorac.attention_packed_fwd"]
+    assert all(want.items() <= c.items() for c in m["unit_calls"])
     assert {"name": "position_ids", "shape": [2, 9], "dtype": "int64"}.items() <= \
         next(i for i in m["inputs"] if i["name"] == "position_ids").items()
 
@@ -425,6 +443,22 @@ def test_long_paragraph_cut_into_pieces_stays_one_document(tmp_path, tok, monkey
     assert list(np.flatnonzero(pos == 0)) == [0, ds.train.n_tokens - tail, ds.train.n_tokens]
 
 
+def test_documents_per_row_count_the_position_zeros(tmp_path, tok):
+    """What CUDA's packed attention is sized by (PackedData.max_documents): each row's count of
+    documents as its position_ids number them, rows starting inside documents and the
+    padded last row included."""
+    docs = ["the quick brown fox", "a", "a lazy dog", "hackers write cruft and kludges in C with foo bar baz",
+            "jargon", "b", "c"]
+    for seq in (4, 8, 16):
+        ds = _ds(tmp_path, tok, docs, seq, "isolated")
+        rows = np.arange(ds.train.n_rows(seq))
+        want = (ds.train.positions(rows, seq) == 0).sum(axis=1)
+        np.testing.assert_array_equal(ds.train.documents_per_row(rows, seq), want)
+        assert want.max() > 1 and ds.max_documents() == max(
+            int(want[ds.train_rows].max()), int((ds.eval.positions(ds.eval_rows, seq) == 0).sum(axis=1).max(initial=1)))
+    assert _ds(tmp_path, tok, docs, 8, "plain").max_documents() == 1
+
+
 def test_answer_rows_skip_targets_at_document_starts(tmp_path, tok):
     """Rows of 2 tokens [EOS of a document, first token of the next]: the second token is a
     target under plain packing, none under isolated packing, so isolated drops the row."""
@@ -477,9 +511,9 @@ def test_lorac_train_packing_isolated_end_to_end(tmp_path):
                                                  "layers carry state across documents); use --packing plain")
 
 
-def test_memory_bound_counts_the_inlined_scores_on_cuda():
-    """On CUDA the plain units run on cuDNN (no [S, S] scores); the packed ones are inlined, so
-    the lower bound of a step holds one layer's bf16 scores again."""
+def test_memory_bound_has_no_scores_on_cuda():
+    """On CUDA the plain and the packed units run on cuDNN (no [S, S] scores): the lower bound
+    of a step is the same for both; the CPU's (inlined attention) holds a layer's scores."""
     from lorac.runtime import devices
     from lorac.runtime import limits
     spec = ModelSpec(arch="qwen3", vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)
@@ -487,11 +521,15 @@ def test_memory_bound_counts_the_inlined_scores_on_cuda():
     cuda = devices.for_target("cuda")
     plain = limits.step_bytes_lower_bound(spec, TrainSpec(**kw), 10 ** 6, cuda)
     packed = limits.step_bytes_lower_bound(spec, TrainSpec(packing="isolated", **kw), 10 ** 6, cuda)
-    assert packed - plain == 2 * 4 * 4 * 2048 * 2048
+    assert packed == plain
+    cpu = devices.for_target("cpu")
+    assert limits.step_bytes_lower_bound(spec, TrainSpec(packing="isolated", **kw), 10 ** 6, cpu) - \
+        limits.step_bytes_lower_bound(spec, TrainSpec(**kw), 10 ** 6, cuda) > 4 * 4 * 4 * 2048 * 2048
 
 
 def test_auto_packing_by_family_and_target():
-    """auto: isolated where the family has it, plain for Mamba and on cuda (no cuDNN path yet)."""
+    """auto: isolated where the family has it (on cuda too: cuDNN's ragged layout), plain for
+    Mamba; `lorac train --target cuda` plans and logs isolated packing."""
     from lorac.runtime.devices import for_target
     from lorac.runtime.train.plan import resolve_packing
     cpu, cuda = for_target("cpu"), for_target("cuda")
@@ -499,6 +537,15 @@ def test_auto_packing_by_family_and_target():
     mamba = ModelSpec.from_hf_config(dict(model_type="mamba", vocab_size=40, hidden_size=24, state_size=4,
                                           num_hidden_layers=2, expand=2, conv_kernel=4))
     assert resolve_packing("auto", qwen, cpu) == "isolated"
-    assert resolve_packing(None, qwen, cuda) == "plain"
+    assert resolve_packing(None, qwen, cuda) == "isolated"
+    assert resolve_packing("auto", mamba, cuda) == "plain"
     assert resolve_packing("auto", mamba, cpu) == "plain"
     assert resolve_packing("isolated", qwen, cuda) == "isolated"
+    # the run's plan (what `lorac train --target cuda` logs), checkpointing left to the plan's default
+    from lorac.runtime.config import TrainConfig
+    from lorac.runtime.train.plan import plan_run
+    logs = []
+    plan = plan_run(TrainConfig(target="cuda", batch=2, seq=16, checkpointing="off"), qwen, CASES["qwen3-gqa3-odd"][0],
+                    (10 ** 6, 0), log=logs.append)
+    assert plan.cfg.packing == plan.train.packing == "isolated"
+    assert "packing: isolated (documents attend only within themselves)" in logs

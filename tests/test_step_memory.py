@@ -77,7 +77,8 @@ def test_choice_is_the_fastest_setting_that_fits():
 def test_no_estimate_where_attention_keeps_scores():
     spec, train = _train(LLAMA_GQA4, 2, 256)
     assert step_memory.plan_bytes(spec, train, dtype="float32") is None  # fp32: not cuDNN's unit
-    assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) is None
+    # packed documents run on cuDNN's unit too (its ragged layout): the same estimate as plain rows
+    assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) == step_memory.plan_bytes(spec, train)
     windowed, wtrain = _train({**LLAMA_GQA4, "model_type": "mistral", "sliding_window": 128}, 2, 256)
     assert step_memory.plan_bytes(windowed, wtrain) is None
     assert step_memory.plan_bytes(windowed, replace(wtrain, seq=128)) is not None

@@ -28,8 +28,8 @@ position p = pos[b, i] began its document at index i - p, so it sees exactly the
 with i - p <= j <= i: causal AND same document (a block-diagonal causal mask), with no
 document ids needed. Only the mask differs, so the forward and backward bodies are the
 same (a masked score is -1e30 and its probability exactly 0 in both); every query sees at
-least itself, so no softmax row is empty. The CUDA build inlines the packed units too
-(cuDNN's SDPA mapping covers only the plain causal mask: docs/COMPILER.md).
+least itself, so no softmax row is empty. The CUDA bf16 build maps the plain packed units
+to cuDNN's SDPA, each document a sequence of its ragged layout (docs/COMPILER.md).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class Mask:
     packed: bool = False
 
     def unit(self, seq: int) -> str:
-        """The unit's name: plain causal attention is the one cuDNN runs on CUDA."""
+        """The unit's name: plain causal attention (packed or not) is what cuDNN runs on CUDA."""
         return (("Packed" if self.packed else "") + "CausalAttention" + ("Softcap" if self.softcap else "")
                 + ("Window" if self.windowed(seq) else ""))
 

@@ -41,6 +41,15 @@ class PackedData:
         labels[positions == 0] = IGNORE
         return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
+    def max_documents(self) -> int:
+        """The most documents one used row holds (train and eval; 1 with plain packing, whose
+        rows are one sequence each): what CUDA's packed attention is sized for."""
+        if self.packing != "isolated":
+            return 1
+        counts = [store.documents_per_row(rows, self.seq) for store, rows in
+                  ((self.train, self.train_rows), (self.eval, self.eval_rows)) if len(rows)]
+        return max([1] + [int(c.max()) for c in counts])
+
     @property
     def n_train_rows(self):
         return len(self.train_rows)

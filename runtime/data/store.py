@@ -124,6 +124,15 @@ class TokenStore:
         col = np.arange(seq, dtype=np.int64)
         return col - np.maximum.accumulate(np.where(first, col, 0), axis=1)
 
+    def documents_per_row(self, index, seq):
+        """Rows `index` -> how many documents each holds as positions() numbers them (the
+        tokens with position 0): one from the row's start, one more for each document
+        starting after it, and the last row's padding as one of its own."""
+        a = np.asarray(index, np.int64) * seq
+        b = a + seq
+        inside = np.searchsorted(self.starts, b) - np.searchsorted(self.starts, a, side="right")
+        return 1 + inside + ((a < self.n_tokens) & (self.n_tokens < b))
+
     def rows(self, index, seq, pad_id):
         """Rows `index` (array of row numbers) -> (input_ids, labels), int64 [len(index), seq]."""
         ids = np.full((len(index), seq), pad_id, dtype=np.int64)

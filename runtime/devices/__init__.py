@@ -32,11 +32,18 @@ optional (a module without one gets the default in OPTIONAL below):
                    `--loss-chunk 0`: chunks whose fp32 logits fit this many bytes
                    (graphs/loss.auto_chunk); None: one chunk
     FUSED_ATTENTION
-                   attention of plain rows is one fused kernel (cuDNN SDPA) holding no
-                   [S, S] scores; rows packed in isolation are inlined (bf16 scores)
+                   attention is one fused kernel (cuDNN SDPA) holding no [S, S] scores,
+                   for plain rows and rows packed in isolation alike
     ISOLATED_PACKING_FAST
                    isolated packing runs at plain packing's cost, so `--packing auto`
                    picks it where the model family has it
+    reserve_documents(per_row)
+                   the most documents a row of the run's data holds (--packing
+                   isolated), told before any artifact loads (cuda: what its packed
+                   attention's plans are sized for)
+    feeder(manifest) -> callable(inputs) | None
+                   a function the artifact's Step calls with each call's inputs before
+                   it runs (cuda: the packed attention's documents from position_ids)
     TUNED_TARGETS  its targets whose kernels `--tune` (MetaSchedule) can measure here
     CAPTURES_GRAPHS
                    the training step may run as captured device graphs (CUDA graphs)
@@ -79,7 +86,7 @@ OPTIONAL = {
     "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
     "OFFLOADS": False,
     "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host", "TRAINS_ON": None,
-    "check_ort": _nothing,
+    "check_ort": _nothing, "reserve_documents": _nothing, "feeder": _nothing,
 }
 
 

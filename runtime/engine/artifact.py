@@ -28,7 +28,7 @@ from ..errors import LoracError
 class Step:
     """One compiled training step: call with a dict of inputs, get a dict of outputs."""
 
-    def __init__(self, vm, manifest: Manifest, dev, device: str):
+    def __init__(self, vm, manifest: Manifest, dev, device: str, feed=None):
         self.manifest = manifest
         self.inputs = manifest.inputs
         self.outputs = manifest.outputs
@@ -47,6 +47,9 @@ class Step:
         self.bound_inputs = manifest.bound_inputs
         self._buffers: dict = {}
         self._captured = False
+        # the device's own use of each call's inputs before the artifact runs (devices' feeder:
+        # CUDA's packed attention reads the documents of position_ids from its own buffers)
+        self._feed = feed
 
     def _check(self, inputs: dict) -> None:
         missing = [n for n in (i["name"] for i in self.inputs) if n not in inputs]
@@ -128,6 +131,8 @@ class Step:
     def __call__(self, inputs: dict, as_numpy: bool = True) -> dict:
         self._check(inputs)
         args = [self._to_device(spec, inputs[spec["name"]]) for spec in self.inputs]
+        if self._feed is not None:
+            self._feed(inputs)
         try:
             res = self._vm["main"](*args)
         except Exception as e:  # TVM raises its own error types
@@ -182,4 +187,4 @@ def load_artifact(art_dir, device: str = "cpu") -> Step:
     dev = dev_module.open(art_dir, m)
     lib = load_library_bytes(lib_bytes, tvm.runtime.load_module)
     vm = tvm_vm.VirtualMachine(lib, dev)
-    return Step(vm, m, dev, device)
+    return Step(vm, m, dev, device, feed=dev_module.feeder(m))

@@ -224,7 +224,7 @@ class OrtEngine(Graphs):
             if others:
                 raise LoracError(f"--ort-providers: the WebGPU plugin runs with the CPU provider as its fallback "
                                  f"only, not with {', '.join(others)}")
-            self._ep_device, self.adapter = ort_webgpu.open_device(ort)
+            self._ep_device, self.adapter = ort_webgpu.open_device(ort, ep_options())
             host = os.environ.get("LORAC_ORT_WEBGPU_HOST", "") not in ("", "0")
             self._values = HostValues(ort, "cpu") if host else DeviceValues(ort, self._ep_device,
                                                                             session=self._allocator_session)

@@ -100,15 +100,18 @@ def no_adapter(system: str | None = None, vulkan_loader: bool | None = None) -> 
     return f"{head} on {system}"
 
 
-def describe(ep_device) -> dict:
+def describe(ep_device, options: dict | None = None) -> dict:
     """What ran, for the summary: the EP device entry's vendor, ids and metadata, and the
-    graphics API Dawn uses on this OS."""
+    graphics API: the EP's dawnBackendType option where it is given (LORAC_ORT_EP_OPTIONS),
+    else the one Dawn uses on this OS (the entry does not name it)."""
     hw = ep_device.device
+    chosen = (options or {}).get("dawnBackendType")
     info = {"execution_provider": EP, "vendor": getattr(hw, "vendor", None),
             "vendor_id": f"0x{int(getattr(hw, 'vendor_id', 0)):04x}",
             "device_id": f"0x{int(getattr(hw, 'device_id', 0)):04x}",
             "type": str(getattr(hw, "type", "")).rsplit(".", 1)[-1],
-            "graphics_api": BACKENDS.get(platform.system(), platform.system())}
+            "graphics_api": chosen or BACKENDS.get(platform.system(), platform.system()),
+            "graphics_api_from": "the dawnBackendType option" if chosen else f"{platform.system()}'s default"}
     meta = dict(getattr(hw, "metadata", None) or {})
     meta.update({f"ep.{k}": v for k, v in (getattr(ep_device, "ep_metadata", None) or {}).items()})
     if meta:
@@ -116,14 +119,14 @@ def describe(ep_device) -> dict:
     return info
 
 
-def open_device(ort) -> tuple[object, dict]:
+def open_device(ort, options: dict | None = None) -> tuple[object, dict]:
     """(the WebGPU EP device entry, its description): the plugin registered with `ort` and its
-    device chosen; one LoracError line when either cannot be done."""
+    device chosen; one LoracError line when either cannot be done. `options`: the EP's."""
     register(ort)
     dev = choose(ort.get_ep_devices())
     if dev is None:
         raise LoracError(no_adapter())
-    return dev, describe(dev)
+    return dev, describe(dev, options)
 
 
 def check() -> None:

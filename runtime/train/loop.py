@@ -101,7 +101,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
     tokens_per_step = cfg.batch * cfg.seq * cfg.grad_accum
     t_start = time.perf_counter()
     start_step = st["step"]
-    gpu_in_use = None
+    gpu_in_use = last_eval = None
     while st["step"] < cfg.steps and not stop["now"]:
         t0 = time.perf_counter()
         st["step"] += 1
@@ -125,7 +125,7 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
         report.step(dict(step=st["step"], loss=loss, lr=lr_a, lr_b=lr_b, grad_norm=gnorm, skipped=bool(skipped),
                          tokens_per_s=tokens_per_step / dt, step_s=dt), cfg.steps, eta)
         if cfg.eval_batches and (st["step"] % cfg.eval_every == 0 or st["step"] == cfg.steps):
-            ev = run.evaluate(eng.lora)
+            ev = last_eval = run.evaluate(eng.lora)
             report.eval(st["step"], ev)
             log(f"eval loss after step {st['step']}: {ev:.4f}")
         if st["step"] % cfg.save_every == 0 or st["step"] == cfg.steps or stop["now"]:
@@ -136,7 +136,9 @@ def _train(cfg: TrainConfig, log, cleanup: contextlib.ExitStack) -> dict:
                 log(f"checkpoint: {path}")
     report.close()
     interrupted = st["step"] < cfg.steps  # a signal after the last step does not count
-    final_eval = run.evaluate(eng.lora) if cfg.eval_batches and not interrupted else None
+    # the last step evaluated already (its LoRA state is the final one) unless the run started there
+    final_eval = None if not cfg.eval_batches or interrupted else \
+        last_eval if last_eval is not None else run.evaluate(eng.lora)
     if final_eval is not None:
         log(f"eval loss: {first_eval:.4f} before, {final_eval:.4f} after")
     if not dp.main:  # the other workers are done: rank 0 samples, exports and sums up

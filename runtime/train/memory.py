@@ -32,8 +32,9 @@ shape 4x2048 keeping 27 of 32 layers: 21.9 estimated, 22.13 GB planned; Qwen3-0.
 11.6 vs 11.7 GB) the estimates of the Llama, Qwen3 and Mamba shapes are within 4 %,
 Phi-3's within 3-13 % (both sides), and the small shapes of the tests up to 7 % over.
 Attention that is not cuDNN's fused unit (fp32 steps, windows shorter than the sequence,
-Gemma 2's soft-capped scores, documents packed in isolation) holds score matrices this
-model leaves out: there the estimate is None and `auto` does not checkpoint.
+Gemma 2's soft-capped scores) holds score matrices this model leaves out: there the
+estimate is None and `auto` does not checkpoint. Documents packed in isolation run on the
+fused unit too (cuDNN's ragged layout) and keep what plain rows keep.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: boo
 def _fused_attention(spec, train, dtype: str) -> bool:
     """Whether the step's attention is cuDNN's fused unit as far as the run's settings go (no
     [S, S] scores kept); a family whose attention never is says so itself (activation_bytes)."""
-    if dtype != "bfloat16" or getattr(train, "packing", "plain") == "isolated":
+    if dtype != "bfloat16":
         return False
     window = getattr(spec, "sliding_window", None)
     return window is None or window >= train.seq

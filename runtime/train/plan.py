@@ -36,10 +36,9 @@ class Plan:
 
 def resolve_packing(packing: str | None, spec, device) -> str:
     """--packing auto (or None) -> "isolated" where the model family implements it and the
-    device runs it at plain packing's cost (ISOLATED_PACKING_FAST); "plain" for Mamba (its
-    conv and scan would need their state reset at document starts: not implemented) and on
-    cuda, where the packed attention is not yet on cuDNN (TVM kernels: ~4x the attention time
-    and O(S^2) memory)."""
+    device runs it at plain packing's cost (ISOLATED_PACKING_FAST: the CPU, and CUDA, where
+    each document is a sequence of cuDNN's ragged layout); "plain" for Mamba (its conv and
+    scan would need their state reset at document starts: not implemented)."""
     if packing in (None, "auto"):
         from lorac.graphs.families import for_spec
         return "isolated" if for_spec(spec).PACKING_ISOLATED and device.ISOLATED_PACKING_FAST else "plain"
@@ -72,7 +71,7 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
         cfg = replace(cfg, packing=packing)
     why = " (documents attend only within themselves)" if packing == "isolated" else " (rows attend across documents)"
     if packing == "isolated" and not device.ISOLATED_PACKING_FAST:
-        why += "; attention runs as TVM kernels, not cuDNN's (docs/COMPILER.md)"
+        why += "; slower than plain packing on this device (docs/DATA.md)"
     log(f"packing: {packing}{why}")
     try:  # the family's own options (Mamba's scan chunk)
         extra = for_spec(spec).train_extra(cfg.target, cfg.scan_chunk)

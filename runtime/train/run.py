@@ -84,6 +84,8 @@ class Run:
                                  eval_path=self.eval_path, packing=cfg.packing, truncate=cfg.truncate)
         for line in data_lines(data_path, self.data.describe()):
             self.log(line)
+        if cfg.packing == "isolated":  # before any artifact loads: CUDA sizes its packed attention by it
+            self.plan.device.reserve_documents(self.data.max_documents())
         if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
             self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
             cfg = self.cfg = replace(cfg, eval_batches=0)
@@ -135,6 +137,8 @@ class Run:
                      model_hash=self.model_hash, graph_hash=self.engine.graph_hash, data_sha256=self.data.digest,
                      schedule_steps=self.optim_cfg.total_steps, train_config=_jsonable(asdict(self.cfg)),
                      model_config=self.model_config)
+        if hasattr(self.engine, "describe"):  # what trained it: backend, providers, the WebGPU adapter
+            state["device"] = _jsonable(self.engine.describe())
         return save_checkpoint(Path(self.cfg.out) / "checkpoints", st["step"], lora, m, v, state,
                                keep=self.cfg.keep_checkpoints)
 

@@ -2,13 +2,22 @@
 
     CausalAttention(q, k, v, scale)                 -> o, lse     lorac.attention_fwd(q, k, v, o, lse)
     CausalAttentionGrad(q, k, v, o, do, lse, scale) -> dq, dk, dv  lorac.attention_bwd(q, k, v, o, do, lse, dq, dk, dv)
+    PackedCausalAttention(q, k, v, pos, scale)      -> o, lse     lorac.attention_packed_fwd(q, k, v, pos, o, lse)
+    PackedCausalAttentionGrad(q, k, v, o, do, lse, pos, scale)
+                                                    -> dq, dk, dv  lorac.attention_packed_bwd(q, k, v, o, do, lse, pos,
+                                                                                             dq, dk, dv)
 
 q, do [B, S, H, Dh] and k, v [B, S, K, Dh] in the graph's token-major layout, which cuDNN
 reads through strides (no transposes); GQA is native (k, v keep their K heads); lse is
-cuDNN's "stats" [B, H, S, 1] in fp32. The softmax scale (a constant) and the shapes go to
-the manifest's `unit_calls`, one entry per distinct call. The runtime (lorac.runtime.devices.cuda.attention)
-registers the two functions: cuDNN plans built once per shape, executed on TVM's stream,
-so CUDA graphs capture them like the GEMMs.
+cuDNN's "stats" in fp32: [B, H, S, 1], and for packed rows (--packing isolated: pos [B, S]
+the position ids) token-major [B, S, H, 1], as cuDNN's ragged layout writes it (only the
+backward unit reads it). The packed calls run each document as a sequence of cuDNN's ragged
+layout; their lengths and offsets come from position_ids at run time (the runtime fills
+them before each call of the artifact), so `pos` is passed along, not read. The softmax
+scale (a constant) and the shapes go to the manifest's `unit_calls`, one entry per distinct
+call. The runtime (lorac.runtime.devices.cuda.attention) registers the functions: cuDNN
+plans built once per shape, executed on TVM's stream, so CUDA graphs capture them like the
+GEMMs. Soft-capped and windowed variants stay inlined (compiler/units/__init__.py).
 
 cuDNN's SDPA takes bf16/fp16 operands: q, k, v, o, do are narrowed to bf16 here (a cast
 that fuses into the kernel producing them, RoPE for q and k) and the fp32 results are
@@ -22,6 +31,7 @@ import tvm
 from tvm import relax
 
 FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
+PACKED_FWD, PACKED_BWD = "lorac.attention_packed_fwd", "lorac.attention_packed_bwd"
 _BF16 = "bfloat16"
 
 
@@ -80,22 +90,35 @@ def converters() -> dict:
         if not same_shape:
             calls.append(call)
 
-    def forward(bb, inputs, _attrs, _params):
-        q, k, v = (cache(bb, x) for x in inputs[:3])
-        B, S, H, Dh = _shape(q)
-        record(FWD, q, k, _scale(inputs[3]))
-        out = bb.emit(relax.call_dps_packed(
-            FWD, [q, k, v], [relax.TensorType([B, S, H, Dh], _BF16), relax.TensorType([B, H, S, 1], "float32")]))
-        o = bb.emit(relax.TupleGetItem(out, 0))
-        return relax.Tuple([cache.widen(bb, o), bb.emit(relax.TupleGetItem(out, 1))])
+    def forward(fn, packed):
+        """A forward converter: inputs q, k, v (, pos), scale."""
+        def convert(bb, inputs, _attrs, _params):
+            q, k, v = (cache(bb, x) for x in inputs[:3])
+            B, S, H, Dh = _shape(q)
+            record(fn, q, k, _scale(inputs[-1]))
+            lse = [B, S, H, 1] if packed else [B, H, S, 1]
+            out = bb.emit(relax.call_dps_packed(
+                fn, [q, k, v] + ([inputs[3]] if packed else []),
+                [relax.TensorType([B, S, H, Dh], _BF16), relax.TensorType(lse, "float32")]))
+            o = bb.emit(relax.TupleGetItem(out, 0))
+            return relax.Tuple([cache.widen(bb, o), bb.emit(relax.TupleGetItem(out, 1))])
+        return convert
 
-    def backward(bb, inputs, _attrs, _params):
-        q, k, v, o, do = (cache(bb, x) for x in inputs[:5])
-        record(BWD, q, k, _scale(inputs[6]))
-        out = bb.emit(relax.call_dps_packed(
-            BWD, [q, k, v, o, do, inputs[5]], [relax.TensorType(_shape(x), _BF16) for x in (q, k, v)]))
-        return relax.Tuple([bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(out, i)), "float32"))
-                            for i in range(3)])
+    def backward(fn, packed):
+        """A backward converter: inputs q, k, v, o, do, lse (, pos), scale."""
+        def convert(bb, inputs, _attrs, _params):
+            q, k, v, o, do = (cache(bb, x) for x in inputs[:5])
+            record(fn, q, k, _scale(inputs[-1]))
+            out = bb.emit(relax.call_dps_packed(
+                fn, [q, k, v, o, do, inputs[5]] + ([inputs[6]] if packed else []),
+                [relax.TensorType(_shape(x), _BF16) for x in (q, k, v)]))
+            return relax.Tuple([bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(out, i)), "float32"))
+                                for i in range(3)])
+        return convert
 
-    return {"CausalAttention": unit_converter("CausalAttention", forward, unit_calls=calls),
-            "CausalAttentionGrad": unit_converter("CausalAttentionGrad", backward, unit_calls=calls)}
+    return {"CausalAttention": unit_converter("CausalAttention", forward(FWD, False), unit_calls=calls),
+            "CausalAttentionGrad": unit_converter("CausalAttentionGrad", backward(BWD, False), unit_calls=calls),
+            "PackedCausalAttention": unit_converter("PackedCausalAttention", forward(PACKED_FWD, True),
+                                                    unit_calls=calls),
+            "PackedCausalAttentionGrad": unit_converter("PackedCausalAttentionGrad", backward(PACKED_BWD, True),
+                                                        unit_calls=calls)}

@@ -1,6 +1,7 @@
 """NVIDIA GPUs: artifacts of target cuda. Kernels compiled ahead into the artifact's fatbin
 (runtime/devices/cuda/loader.py: no NVRTC or nvcc on the GPU machine), GEMMs on cuBLAS (runtime/devices/cuda/cublas.py),
-bf16 attention on cuDNN's fused SDPA (runtime/devices/cuda/attention.py), the training step as CUDA
+bf16 attention on cuDNN's fused SDPA, packed documents in its ragged layout
+(runtime/devices/cuda/attention.py), the training step as CUDA
 graphs (compiler/targets/cuda binds_inputs), offloaded checkpoints in pinned host memory
 (runtime/devices/cuda/offload.py)."""
 from __future__ import annotations
@@ -23,10 +24,9 @@ MEMORY_OF = "the GPU"
 TUNED_TARGETS = ("cuda",)  # MetaSchedule measures on this machine's GPU (needs nvcc)
 AUTO_CHECKPOINTING = True  # GPU memory is what bounds a step: fit it (runtime/train/memory.py)
 LOSS_CHUNK_BYTES = 3 << 29  # 1.5 GiB of fp32 logits a chunk bounds the [tokens, vocab] logits
-FUSED_ATTENTION = True  # plain rows' attention runs on cuDNN's fused SDPA (attention.py)
-# isolated rows' attention is not yet on cuDNN (TVM kernels: ~4x the attention time, O(S^2)
-# memory), so --packing auto picks plain here
-ISOLATED_PACKING_FAST = False
+FUSED_ATTENTION = True  # bf16 attention runs on cuDNN's fused SDPA (attention.py)
+# rows packed in isolation too: each document a sequence of cuDNN's ragged layout (attention.py)
+ISOLATED_PACKING_FAST = True
 DEVICE_PER_WORKER = True  # a data-parallel worker per GPU of the host
 GRAD_ALLREDUCE = "nccl"  # gradients summed on the GPUs (runtime/dist/nccl.py)
 WORKER_DEVICE = "LORAC_CUDA_DEVICE"  # the GPU a process opens artifacts on (select)
@@ -49,11 +49,25 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     calls = {c.get("function") for c in manifest.unit_calls}
     from . import attention as attention_cuda
     from . import offload
-    if calls & {attention_cuda.FWD, attention_cuda.BWD}:  # fused attention on cuDNN: plans built now
+    if calls & set(attention_cuda.FUNCTIONS):  # fused attention on cuDNN: plans built now
         attention_cuda.prepare(manifest, dev)
     if offload.OFFLOAD in calls:  # offloaded checkpoints: pinned buffers and staging made now
         offload.prepare(manifest)
     return dev
+
+
+def feeder(manifest):
+    """What a Step calls with each call's inputs before running the artifact: the packed
+    attention's document lengths and offsets from position_ids (attention.py), or None."""
+    from . import attention as attention_cuda
+    return attention_cuda.feeder(manifest)
+
+
+def reserve_documents(per_row: int) -> None:
+    """The most documents a row of the run's data holds: the packed attention's cuDNN plans
+    are built for that many sequences a row (attention.py)."""
+    from . import attention as attention_cuda
+    attention_cuda.reserve_documents(per_row)
 
 
 def select(index: int) -> None:

@@ -1,0 +1,269 @@
+"""Packed documents as cuDNN's ragged sequences, without a GPU (runtime/devices/cuda/documents.py
+and the buffers of runtime/devices/cuda/attention.py): the lengths and offsets computed from
+position_ids, and that a causal mask inside each of those sequences is exactly the packed
+graph's mask (graphs/ops/attention.py: query i at position p sees keys i - p .. i)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from lorac.runtime.devices.cuda import attention
+from lorac.runtime.devices.cuda.documents import split_documents
+from lorac.runtime.errors import LoracError
+
+
+def positions_of(*lengths: int) -> np.ndarray:
+    return np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+
+
+def rows(*docs) -> np.ndarray:
+    return np.stack([positions_of(*d) for d in docs])
+
+
+def graph_mask(pos: np.ndarray) -> np.ndarray:
+    """[B, S, S]: the packed unit's mask, key j seen by query i where i - pos[i] <= j <= i."""
+    S = pos.shape[1]
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    return (j <= i) & (i - j <= pos[:, :, None])
+
+
+def ragged_mask(lengths: np.ndarray, starts: np.ndarray, B: int, S: int) -> np.ndarray:
+    """[B, S, S]: causal attention inside each ragged sequence, over the flattened tokens."""
+    seen = np.zeros((B * S, B * S), bool)
+    for a, n in zip(starts[:-1].tolist(), lengths.tolist()):
+        seen[a:a + n, a:a + n] = np.tril(np.ones((n, n), bool))
+    blocks = seen.reshape(B, S, B, S)
+    off = blocks.copy()
+    off[np.arange(B), :, np.arange(B), :] = False
+    assert not off.any(), "a sequence crosses a row boundary"
+    return blocks[np.arange(B), :, np.arange(B), :]
+
+
+CASES = [  # rows of documents (lengths), [B, S] each
+    [(2, 3)],
+    [(3, 4), (1, 2, 1, 3)],  # a document of length 1
+    [(9,), (4, 5)],  # a row that is one document
+    [(1, 1, 1, 1, 1, 1)],  # every token a document
+    [(1, 7), (7, 1), (8,)],  # length-1 documents first and last
+]
+
+
+@pytest.mark.parametrize("docs", CASES)
+def test_lengths_and_starts_follow_the_documents(docs):
+    pos = rows(*docs)
+    B, S = pos.shape
+    n = sum(len(d) for d in docs)
+    for capacity in (n, n + 3, B * S):
+        lengths, starts = split_documents(pos, capacity)
+        assert lengths.dtype == np.int32 and starts.dtype == np.int64
+        assert lengths.shape == (capacity,) and starts.shape == (capacity + 1,)
+        want = [x for d in docs for x in d]
+        assert lengths[:n].tolist() == want and not lengths[n:].any()  # then empty sequences
+        assert starts[0] == 0 and (starts[n:] == B * S).all()  # the empty ones start at the end
+        np.testing.assert_array_equal(np.diff(starts), lengths)
+        np.testing.assert_array_equal(ragged_mask(lengths, starts, B, S), graph_mask(pos))
+
+
+def test_random_rows_equal_the_graph_mask():
+    """Rows of 4..40 documents of random lengths (length 1 included), as the H200 check draws them."""
+    rng = np.random.default_rng(0)
+    B, S = 6, 96
+    pos = []
+    for _ in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, S), rng.integers(3, 40), replace=False))
+        pos.append(np.concatenate([np.arange(n) for n in np.diff(np.r_[0, cuts, S])]))
+    pos = np.stack(pos)
+    n = int((pos == 0).sum())
+    lengths, starts = split_documents(pos, n + 5)
+    assert lengths[:n].min() >= 1 and (lengths[:n] == 1).any()
+    np.testing.assert_array_equal(ragged_mask(lengths, starts, B, S), graph_mask(pos))
+    assert split_documents(pos.astype(np.int32), n)[0].tolist() == lengths[:n].tolist()
+
+
+def test_a_row_starting_inside_a_document():
+    """A row whose first position is not 0 (its document began in an earlier row): the graph's
+    mask sees the row from its start, and so does the ragged sequence."""
+    pos = np.array([[5, 6, 7, 0, 1], [0, 1, 2, 3, 0]])
+    lengths, starts = split_documents(pos, 4)
+    assert lengths.tolist() == [3, 2, 4, 1] and starts.tolist() == [0, 3, 5, 9, 10]
+    np.testing.assert_array_equal(ragged_mask(lengths, starts, 2, 5), graph_mask(pos))
+
+
+def test_refusals():
+    pos = rows((2, 3), (5,))
+    with pytest.raises(LoracError, match="holds 3 documents; the packed attention was prepared for at most 2"):
+        split_documents(pos, 2)
+    with pytest.raises(LoracError, match=r"row 1: position 3 at token 2 follows 1"):
+        split_documents(np.array([[0, 1, 2], [0, 1, 3]]), 4)
+    with pytest.raises(LoracError, match="integers"):
+        split_documents(pos.astype(np.float32), 4)
+    with pytest.raises(LoracError, match=r"\[batch, seq\]"):
+        split_documents(pos[0], 4)
+
+
+class _Buffer:
+    """A host stand-in for a device buffer: copyfrom(numpy) and data_ptr() (bf16 as its bits)."""
+
+    def __init__(self, shape, dtype):
+        fill = {"bfloat16": 0x7FC0, "uint8": 7}.get(dtype, -7)  # bf16: NaN; anything a write would change
+        self.a = np.full(shape, fill, np.uint16 if dtype == "bfloat16" else dtype)
+
+    def copyfrom(self, x):
+        assert x.shape == self.a.shape and x.dtype == self.a.dtype
+        self.a[...] = x
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+
+@pytest.fixture
+def clean():
+    attention.release()
+    yield
+    attention.release()
+    attention._per_row[0] = None
+
+
+def test_document_buffers_and_the_feeder(clean):
+    """The buffers the packed plans read: capacity B x the reserved documents a row (every
+    token when none was reserved), lengths and the offsets in each layout's elements per
+    token, filled from each call's position_ids by the feeder the artifact's Step calls."""
+    B, S, H, K, Dh = 2, 9, 4, 2, 8
+    docs = attention.documents_for(B, S, _Buffer)
+    assert docs.capacity == B * S  # nothing reserved: every token may be a document
+    attention.release()
+    attention.reserve_documents(4)
+    docs = attention.documents_for(B, S, _Buffer)
+    assert docs.capacity == 8 and attention.documents_for(B, S, _Buffer) is docs
+    assert docs.lengths.a.tolist() == [9, 9] + [0] * 6  # one document a row until a batch comes
+    q, kv, lse = (docs.offsets_of(m) for m in (H * Dh, K * Dh, H))
+    manifest = SimpleNamespace(unit_calls=[
+        {"function": attention.PACKED_FWD, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": 0.3},
+        {"function": attention.FWD, "B": 1, "S": 4, "H": H, "K": K, "Dh": Dh, "scale": 0.3}])
+    feed = attention.feeder(manifest)
+    pos = rows((3, 4, 2), (1, 8))
+    feed({"position_ids": pos, "input_ids": np.zeros((B, S), np.int64)})
+    lengths, starts = split_documents(pos, 8)
+    assert docs.lengths.a.tolist() == lengths.tolist() == [3, 4, 2, 1, 8, 0, 0, 0]
+    for buf, m in ((q, H * Dh), (kv, K * Dh), (lse, H)):
+        np.testing.assert_array_equal(buf.a, starts * m)
+    late = docs.offsets_of(3)  # made after a fill: filled with that batch's documents at once
+    np.testing.assert_array_equal(late.a, starts * 3)
+    with pytest.raises(LoracError, match="at most 8"):
+        feed({"position_ids": np.broadcast_to(np.zeros(S, np.int64), (B, S))})
+    with pytest.raises(LoracError, match="runs \\[2, 9\\] rows"):
+        feed({"position_ids": pos[:1]})
+    with pytest.raises(LoracError, match="needs the input position_ids"):
+        feed({})
+    assert attention.feeder(SimpleNamespace(unit_calls=manifest.unit_calls[1:])) is None  # plain calls only
+
+
+# -- the plans, on an emulator of cuDNN's frontend (tests/_cudnn_emulator.py) ------------------------
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float -> bf16 bits (round to nearest even)."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def f64(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def reference(q, k, v, do, seen, scale):
+    """Attention of [B, S, heads, D] float64 values under mask `seen` [B, S, S] and its gradients."""
+    G = q.shape[2] // k.shape[2]
+    kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = np.where(seen[:, None], np.einsum("bihd,bjhd->bhij", q, kk) * scale, -np.inf)
+    lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)) + s.max(-1, keepdims=True)
+    p = np.exp(s - lse)
+    o = np.einsum("bhij,bjhd->bihd", p, vv)
+    dp = np.einsum("bihd,bjhd->bhij", do, vv)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+    fold = lambda x: x.reshape(*x.shape[:2], k.shape[2], G, x.shape[-1]).sum(3)  # noqa: E731
+    return {"o": o, "lse": lse[..., 0].transpose(0, 2, 1), "dq": np.einsum("bhij,bjhd->bihd", ds, kk),
+            "dk": fold(np.einsum("bhij,bihd->bjhd", ds, q)), "dv": fold(np.einsum("bhij,bihd->bjhd", p, do))}
+
+
+@pytest.fixture
+def emulated(clean):
+    import _cudnn_emulator as emulator
+    attention._cudnn, attention._handle = emulator, emulator.create_handle()
+    yield emulator
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_plans_describe_each_document_to_cudnn(emulated, packed):
+    """What lorac describes to cuDNN (dims, token-major strides, each tensor's ragged offsets,
+    the stats layout, lengths), run by the emulator as cuDNN's documentation defines it: the
+    packed plans compute the packed graph's attention (graphs/ops/attention.py's mask) and its
+    gradients, write nothing past the tokens (the empty sequences start there), and the plain
+    ones causal attention over whole rows."""
+    B, S, H, K, Dh, scale = 2, 12, 4, 2, 8, 0.3
+    pos = rows((3, 1, 5, 3), (12,)) if packed else rows((12,), (12,))
+    attention.reserve_documents(5)  # capacity 10 > 5 documents: empty sequences too
+    fns = (attention.PACKED_FWD, attention.PACKED_BWD) if packed else (attention.FWD, attention.BWD)
+    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale} for fn in fns]
+    fwd, bwd = (attention.build_plan(c, _Buffer)[0] for c in calls)
+    attention.size_workspace(_Buffer)
+    for plan in (fwd, bwd):
+        attention.warm(plan, _Buffer)
+    feed = attention.feeder(SimpleNamespace(unit_calls=calls))
+    assert (feed is None) != packed
+    if packed:
+        assert fwd.docs is bwd.docs and fwd.docs.capacity == 10
+        feed({"position_ids": pos})
+    rng = np.random.default_rng(3)
+    x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
+    pad = lambda h, dtype="bfloat16": _Buffer(((B + 1) * S * h * (Dh if dtype == "bfloat16" else 1),), dtype)  # noqa
+    out = {"o": pad(H), "lse": pad(H, "float32"), "dq": pad(H), "dk": pad(K), "dv": pad(K)}
+    ins = {n: _Buffer(a.shape, "bfloat16") for n, a in x.items()}
+    for n, a in x.items():
+        ins[n].copyfrom(a)
+    fwd.run([ins["q"], ins["k"], ins["v"], out["o"], out["lse"]])
+    bwd.run([ins["q"], ins["k"], ins["v"], out["o"], ins["do"], out["lse"], out["dq"], out["dk"], out["dv"]])
+    want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)
+    T = B * S
+    for n, h in (("o", H), ("dq", H), ("dk", K), ("dv", K)):
+        got = f64(out[n].a[:T * h * Dh]).reshape(B, S, h, Dh)
+        np.testing.assert_allclose(got, want[n], atol=2e-2 * np.abs(want[n]).max(), err_msg=n)
+        assert (out[n].a[T * h * Dh:] == 0x7FC0).all(), f"{n}: written past the tokens"
+    lse = out["lse"].a
+    got = lse[:T * H].reshape(B, S, H) if packed else lse[:T * H].reshape(B, H, S).transpose(0, 2, 1)
+    np.testing.assert_allclose(got, want["lse"], rtol=1e-5, atol=1e-5)
+    assert (lse[T * H:] == -7).all()
+
+
+def test_registered_functions_read_the_fed_documents(emulated):
+    """The path a compiled step takes, with TVM's runtime on the CPU and the emulator for cuDNN:
+    prepare() builds, warms and registers the packed functions, the feeder fills the documents
+    of each call's position_ids, and the registered functions (called as the VM calls them)
+    compute each batch's documents, the second batch's too (what a replayed capture reads)."""
+    tvm = pytest.importorskip("tvm")
+    import tvm_ffi
+    B, S, H, K, Dh, scale = 2, 10, 2, 1, 8, 0.5
+    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale}
+             for fn in (attention.PACKED_FWD, attention.PACKED_BWD)]
+    manifest = SimpleNamespace(unit_calls=calls)
+    attention.reserve_documents(4)
+    dev = tvm.cpu()
+    attention.prepare(manifest, dev)
+    feed = attention.feeder(manifest)
+    rng = np.random.default_rng(5)
+    t = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
+    for docs in [((3, 7), (1, 1, 4, 4)), ((10,), (2, 8))]:
+        pos = rows(*docs)
+        x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
+        dv = {n: t(a.view(np.uint16)) for n, a in x.items()}  # bf16 bits; the functions read addresses only
+        o, dq = t(np.zeros((B, S, H, Dh), np.uint16)), t(np.zeros((B, S, H, Dh), np.uint16))
+        dk, dvv = t(np.zeros((B, S, K, Dh), np.uint16)), t(np.zeros((B, S, K, Dh), np.uint16))
+        lse = t(np.zeros((B, S, H, 1), np.float32))
+        feed({"position_ids": pos})
+        pos_t = t(pos)
+        tvm_ffi.get_global_func(attention.PACKED_FWD)(dv["q"], dv["k"], dv["v"], pos_t, o, lse)
+        tvm_ffi.get_global_func(attention.PACKED_BWD)(dv["q"], dv["k"], dv["v"], o, dv["do"], lse, pos_t, dq, dk, dvv)
+        want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)
+        for name, got in (("o", o), ("dq", dq), ("dk", dk), ("dv", dvv)):
+            np.testing.assert_allclose(f64(got.numpy()), want[name], atol=2e-2 * np.abs(want[name]).max(), err_msg=name)
+        np.testing.assert_allclose(lse.numpy()[..., 0], want["lse"], rtol=1e-5, atol=1e-5)
