@@ -34,6 +34,8 @@ CASES = {
     "phi3-untied-nf4": (PHI3, "nf4", "int8"),
     "mamba-tied-nf4": (MAMBA, "nf4", "nf4"),
     "mamba-untied-int8": ({**MAMBA, "tie_word_embeddings": False}, "int8", None),
+    # GGUF rows of blocks read by rows too (graphs only: the runtime quantizes tables as nf4 or int8)
+    "qwen3-untied-q8_0-api": (QWEN3, "Q8_0", "nf4"),
 }
 
 
@@ -63,11 +65,12 @@ def _random_weights(model, vocab: int, rng) -> dict:
 def _quantized(config, spec, dense: dict, tables: str, layers):
     """`dense` with the LoRA targets' weights quantized as `layers` (nf4: double-quantized absmax, as
     --quantize) and the embedding tables as `tables` (the run's quantize_tables), and its TrainSpec.quant."""
-    from lorac.graphs.ops.quant import detect
+    from lorac.graphs.ops.quant import Quant, detect
     from lorac.runtime.model.quant import quantize_weights, target_names
-    from lorac.runtime.model.quant.embeddings import held, quantize_tables
+    from lorac.runtime.model.quant.embeddings import KINDS, held, quantize_tables, tables as names
     weights = quantize_weights(dense, layers, target_names(config)) if layers else dict(dense)
-    weights = quantize_tables(weights, held(spec, _train(spec), tables).quant)
+    quant = held(spec, _train(spec), tables).quant if tables in KINDS else [(n, Quant(tables)) for n in names(spec)]
+    weights = quantize_tables(weights, quant)
     return weights, tuple(sorted(detect(weights).items()))
 
 
