@@ -96,26 +96,31 @@ def ce_forward_backward(g, h, head, safe, weight, vocab: int, softcap: float | N
     return loss, g.matmul(softcap_backward(g, dlogits, logits, softcap), head)
 
 
-def sliced_ce_forward_backward(g, h, head, safe, weight, softcap: float | None = None, slices: int = 0):
-    """ce_forward_backward over a quantized head E (QuantWeight) read in vocabulary slices E_s
-    (rows lo..hi), none of it dense beyond the GEMM that reads it: -> (sum of weighted nll [1, 1], dh).
-    Forward: z_s = h E_s^T (capped), kept for the backward as the dense logits are (no Concat:
-    a copy of every chunk's logits); lse = M + log sum_s sum exp(z_s - M), M = max_s max z_s;
-    the target's logit from the slice that holds it. Backward per slice, E_s dequantized again:
-    dz_s = (exp(z_s - lse) - onehot_s) weight (dlogits, one slice wide), dh = sum_s dz_s E_s."""
+def sliced_ce_forward(g, h, head, safe, weight, softcap: float | None = None, slices: int = 0):
+    """One chunk over a quantized head E (QuantWeight) read in vocabulary slices E_s (rows lo..hi),
+    none of it dense beyond the GEMM that reads it: -> (sum of weighted nll [1, 1], (parts, z_s, lse)).
+    z_s = h E_s^T (capped), kept for a backward as the dense logits are (no Concat: a copy of every
+    chunk's logits); lse = M + log sum_s sum exp(z_s - M), M = max_s max z_s; the target's logit
+    from the slice that holds it (its index clamped into every slice, counted in the holding one)."""
     parts = head_slices(head.out, head.inp, slices)
     zs = [_softcap(g, g.mm_t(h, head.row_slice(g, lo, hi)), softcap) for lo, hi in parts]
     tops = [g.op("ReduceMax", z, g.ints(-1), keepdims=1) for z in zs]
     top = tops[0] if len(tops) == 1 else g.op("Max", *tops)
     lse = g.op("Add", g.op("Log", g.add_all(*[g.reduce_sum(g.op("Exp", g.op("Sub", z, top)), -1) for z in zs])), top)
     picked = []
-    for (lo, hi), z in zip(parts, zs):  # target - lo, clamped into the slice; only the holding slice counts
+    for (lo, hi), z in zip(parts, zs):
         at = g.op("Min", g.op("Max", g.op("Sub", safe, g.const(np.int32(lo))), g.const(np.int32(0))),
                   g.const(np.int32(hi - lo - 1)))
         inside = g.op("And", g.op("GreaterOrEqual", safe, g.const(np.int32(lo))), g.op("Less", safe, g.const(np.int32(hi))))
         picked.append(g.op("Where", inside, g.op("GatherElements", z, at, axis=1), g.f(0.0)))
     nll = g.op("Sub", lse, g.add_all(*picked))
-    loss = g.reduce_sum(g.op("Mul", nll, weight), 0, 1)
+    return g.reduce_sum(g.op("Mul", nll, weight), 0, 1), (parts, zs, lse)
+
+
+def sliced_ce_forward_backward(g, h, head, safe, weight, softcap: float | None = None, slices: int = 0):
+    """sliced_ce_forward, then per slice, E_s dequantized again: dz_s = (exp(z_s - lse) - onehot_s)
+    weight (dlogits, one slice wide), dh = sum_s dz_s E_s -> (sum of weighted nll [1, 1], dh)."""
+    loss, (parts, zs, lse) = sliced_ce_forward(g, h, head, safe, weight, softcap, slices)
     target = g.op("Cast", safe, to=g.float)
     dh = None
     for (lo, hi), z in zip(parts, zs):
@@ -171,7 +176,11 @@ def loss_and_grad(g, h, head, labels, batch: int, seq: int, vocab: int, chunk: i
 def ce_loss(g, h, head, safe, weight, softcap: float | None = None, slices: int = 0):
     """One chunk of the eval loss through ONNX LogSoftmax (nothing kept for a backward);
     an independent formulation, so autodiff oracles differentiate something other than
-    the expression the hand-derived backward was written against."""
+    the expression the hand-derived backward was written against. A quantized head: the
+    training step's slice by slice forward (no [chunk, V] Concat and log-softmax beside the
+    slices' logits), checked against this one on the dense head (tests/test_qlora_embeddings.py)."""
+    if hasattr(head, "row_slice"):
+        return sliced_ce_forward(g, h, head, safe, weight, softcap, slices)[0]
     logp = g.op("LogSoftmax", logits_forward(g, h, head, softcap, slices), axis=-1)
     return g.reduce_sum(g.op("Mul", g.op("Neg", g.op("GatherElements", logp, safe, axis=1)), weight), 0, 1)
 
