@@ -46,8 +46,8 @@ import importlib
 import pkgutil
 
 REQUIRED = ("MODEL_TYPES", "HF_ARCHITECTURES", "TARGETS", "spec_from_hf", "declare_weights", "Ctx", "embed",
-            "layer_forward", "layer_backward", "lora_tensor_names", "describe", "EMBEDDINGS", "lora_name", "weight_name",
-            "required_tensors", "PEFT_LEFT_OUT", "GGUF_ARCHS", "config_from_gguf", "GGUF_LAYER_NAMES",
+            "layer_forward", "layer_backward", "lora_tensor_names", "describe", "EMBEDDINGS", "lora_name",
+            "weight_name", "required_tensors", "PEFT_LEFT_OUT", "GGUF_ARCHS", "config_from_gguf", "GGUF_LAYER_NAMES",
             "GGUF_GLOBAL_NAMES", "tensor_from_gguf", "GGUF_TARGETS", "gguf_export", "train_extra",
             "CONTEXT_LIMITED", "PACKING_ISOLATED", "RESIDUAL_IN_FP32", "activation_bytes")
 
