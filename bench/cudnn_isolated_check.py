@@ -11,8 +11,8 @@ at a small shape, which checks this script, not cuDNN:
 
     python bench/cudnn_isolated_check.py --emulate
 
-It exercises runtime/devices/cuda/attention.py directly (its _Documents and _Plan, on torch's
-device buffers), not a compiled step. Stages, each reported on its own (one failing does not
+It exercises lorac's runtime directly (runtime/devices/cuda/attention.py, documents.py and
+sdpa.py's Plan, on torch's device buffers), not a compiled step. Stages, each reported on its own (one failing does not
 stop the others; the JSON is rewritten after each):
   env       python, torch, CUDA, GPU, cuDNN frontend and backend versions, libcudnn's path
   data      B=8 rows of S=1024 tokens, each packing 4..40 documents of random lengths
@@ -27,11 +27,18 @@ stop the others; the JSON is rewritten after each):
   time      the packed calls (exact and padded) against the plain causal cuDNN call on the same
             tensors (median of CUDA-event timings), and the host time of one documents fill
   variants  when exact or padded failed (or --variants): empty sequences starting at 0; dummy
-            1-token sequences over a scratch token; stats in the padded (non-ragged) layout
+            1-token sequences over a scratch token; stats in the padded (non-ragged) layout,
+            timed against the ragged stats
+  speed     with --variants or --speed: what makes the packed call faster (plans as long as
+            the longest document, length groups, cuDNN's options and engines, documents
+            masked by a bias on plain rows), each checked and timed against the plain call,
+            on this batch and on one of short documents (bench/cudnn_isolated_speed.py)
   tvm       when TVM's runtime imports (h200_env.sh): prepare() + feeder() + the registered
-            global functions on DLPack views of the same tensors (the path a compiled step calls)
+            global functions on DLPack views of the same tensors (the path a compiled step
+            calls), for builds masking documents as ragged sequences and by a bias
 Exit status 0 when exact, padded and replay passed. Helpers: bench/cudnn_isolated_common.py
-(buffers, batches, the reference, comparisons), bench/cudnn_isolated_variants.py.
+(buffers, batches, the reference, comparisons), bench/cudnn_isolated_variants.py,
+bench/cudnn_isolated_speed.py.
 """
 from __future__ import annotations
 
@@ -46,8 +53,8 @@ from pathlib import Path
 import numpy as np
 
 import cudnn_isolated_common as C
-from cudnn_isolated_common import (REPO, Outputs, describe, empty, ensure_workspace, import_attention, libcudnn,
-                                   make_batch, reference, set_stream, show, sync, timed)
+from cudnn_isolated_common import (REPO, Outputs, describe, empty, ensure_workspace, libcudnn, make_batch, plan,
+                                   reference, runtime_modules, set_stream, show, sync, timed)
 
 REPORT: dict = {"stages": {}}
 ARGS = None
@@ -99,8 +106,9 @@ def st_env(ctx):
     info["cudnn_frontend"] = getattr(cudnn, "__version__", "?")
     info["cudnn_frontend_file"] = getattr(cudnn, "__file__", "?")
     info["cudnn_backend"] = cudnn.backend_version_string()
-    att = import_attention()
+    att, documents, sdpa = runtime_modules()
     info["lorac_attention"] = att.__file__
+    ctx["documents"], ctx["sdpa"] = documents, sdpa
     att._init()
     set_stream(att)
     ctx["att"] = att
@@ -127,15 +135,17 @@ def st_data(ctx):
 
 
 def packed(ctx, name: str, capacity: int):
-    """Build the packed plans for `capacity` sequences, run forward + backward, compare."""
+    """Build the packed plans for `capacity` sequences of up to S tokens (one group), run
+    forward + backward, compare."""
     att, a = ctx["att"], ARGS
-    B, S, H, K, Dh = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
+    B, S = a.batch, a.seq
     print(f"  building packed plans: {capacity} sequences", flush=True)
-    docs = att._Documents(B, S, 1, empty, capacity=capacity)
+    d = ctx["documents"]
+    docs = d.Documents(B, S, (d.Group(0, S, S, capacity),), empty)
     info = {"capacity": capacity}
-    fwd = att._Plan(att.PACKED_FWD, B, S, H, K, Dh, ctx["scale"], docs)
+    fwd = plan(ctx, False, "ragged", docs)
     info["forward_plan"] = describe(fwd)
-    bwd = att._Plan(att.PACKED_BWD, B, S, H, K, Dh, ctx["scale"], docs)
+    bwd = plan(ctx, True, "ragged", docs)
     info["backward_plan"] = describe(bwd)
     ensure_workspace(att, fwd, bwd)
     set_stream(att)
@@ -143,9 +153,10 @@ def packed(ctx, name: str, capacity: int):
     out = Outputs()
     x = ctx["x"]
     o, lse, dq, dk, dv = out.buffers()
-    fwd.run([x["q"], x["k"], x["v"], o, lse])
+    ws = att._workspace["ptr"]
+    fwd.run([x["q"], x["k"], x["v"], o, lse], ws)
     sync()
-    bwd.run([x["q"], x["k"], x["v"], o, x["do"], lse, dq, dk, dv])
+    bwd.run([x["q"], x["k"], x["v"], o, x["do"], lse, dq, dk, dv], ws)
     sync()
     info.update(out.checked(ctx["ref"], B * S))
     ctx[name] = (docs, fwd, bwd)
@@ -172,10 +183,11 @@ def st_replay(ctx):
     o, lse, dq, dk, dv = out.buffers()
     sync()
     graph = torch.cuda.CUDAGraph()
+    ws = att._workspace["ptr"]
     with torch.cuda.graph(graph):
         set_stream(att)  # the capture stream
-        fwd.run([x["q"], x["k"], x["v"], o, lse])
-        bwd.run([x["q"], x["k"], x["v"], o, x["do"], lse, dq, dk, dv])
+        fwd.run([x["q"], x["k"], x["v"], o, lse], ws)
+        bwd.run([x["q"], x["k"], x["v"], o, x["do"], lse, dq, dk, dv], ws)
     set_stream(att)
     info = {}
     batches = [("other", make_batch(a.seed + 1, [(1, 0), (a.docs_hi, 10), (a.docs_lo, 0)])),
@@ -199,13 +211,13 @@ def st_replay(ctx):
 
 def st_time(ctx):
     att, a = ctx["att"], ARGS
-    B, S, H, K, Dh = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
     x = ctx["x"]
     out = Outputs()
     o, lse, dq, dk, dv = out.buffers()
     res = {}
-    plain_f = att._Plan(att.FWD, B, S, H, K, Dh, ctx["scale"])
-    plain_b = att._Plan(att.BWD, B, S, H, K, Dh, ctx["scale"])
+    plain_f, plain_b = plan(ctx, False), plan(ctx, True)
+    ctx["plain"] = (plain_f, plain_b)
+    res["plain_engines"] = {"forward": describe(plain_f).get("engine"), "backward": describe(plain_b).get("engine")}
     plans = {"plain": (plain_f, plain_b)}
     for name in ("exact", "padded"):
         if name in ctx:
@@ -213,9 +225,11 @@ def st_time(ctx):
             ctx[name][0].fill(ctx["pos"])
     ensure_workspace(att, *(p for pair in plans.values() for p in pair))
     set_stream(att)
+    ws = att._workspace["ptr"]
     for name, (f, b) in plans.items():
-        res[name] = {"forward_ms": timed(lambda: f.run([x["q"], x["k"], x["v"], o, lse]), a.iters),
-                     "backward_ms": timed(lambda: b.run([x["q"], x["k"], x["v"], o, x["do"], lse, dq, dk, dv]), a.iters)}
+        res[name] = {"forward_ms": timed(lambda: f.run([x["q"], x["k"], x["v"], o, lse], ws), a.iters),
+                     "backward_ms": timed(lambda: b.run([x["q"], x["k"], x["v"], o, x["do"], lse, dq, dk, dv], ws),
+                                          a.iters)}
         r = res[name]
         r["fwd_plus_bwd_ms"] = r["forward_ms"] + r["backward_ms"]
         r["x28_layers_ms"] = 28 * r["fwd_plus_bwd_ms"]
@@ -235,7 +249,8 @@ def st_time(ctx):
 
 
 def st_tvm(ctx):
-    """prepare() + feeder() + the registered functions: the path a compiled step takes."""
+    """prepare() + feeder() + the registered functions: the path a compiled step takes, for each
+    way a build masks packed documents (ragged with the runtime's PACKED settings, bias)."""
     if ARGS.emulate:
         return {"ok": True, "skipped": "emulated"}
     try:
@@ -250,31 +265,45 @@ def st_tvm(ctx):
     att, a = ctx["att"], ARGS
     B, S, H, K, Dh = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
     loader._ensure_cuda_device_api()
-    att.release()  # plans, documents, handle: prepare() starts afresh as an artifact's load does
-    att.reserve_documents(a.docs_hi)
-    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": ctx["scale"]}
-             for fn in (att.PACKED_FWD, att.PACKED_BWD)]
-    manifest = SimpleNamespace(unit_calls=calls)
-    dev = tvm.cuda(0)
-    att.prepare(manifest, dev)
-    feed = att.feeder(manifest)
-    x = ctx["x"]
-    pos_t = torch.from_numpy(ctx["pos"]).to(DEV)
-    feed({"position_ids": ctx["pos"]})
-    out = Outputs()
-    o, lse, dq, dk, dv = out.buffers()
-    tv = tvm.runtime.from_dlpack
-    sync()
-    tvm_ffi.get_global_func(att.PACKED_FWD)(tv(x["q"]), tv(x["k"]), tv(x["v"]), tv(pos_t), tv(o.view(B, S, H, Dh)),
-                                           tv(lse.view(B, S, H, 1)))
-    tvm_ffi.get_global_func(att.PACKED_BWD)(tv(x["q"]), tv(x["k"]), tv(x["v"]), tv(o.view(B, S, H, Dh)),
-                                           tv(x["do"]), tv(lse.view(B, S, H, 1)), tv(pos_t), tv(dq.view(B, S, H, Dh)),
-                                           tv(dk.view(B, S, K, Dh)), tv(dv.view(B, S, K, Dh)))
-    dev.sync()
-    sync()
-    info = out.checked(ctx["ref"], B * S)
-    info["capacity"] = att._documents[(B, S)].capacity
-    show(info)
+    pos = ctx["pos"]
+    info = {"packed_settings": dict(att.PACKED)}
+    for mask in ("ragged", "bias"):
+        att.release()  # plans, documents, handle: prepare() starts afresh as an artifact's load does
+        att.reserve_documents(a.docs_hi, int(pos.max()) + 1)
+        calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": ctx["scale"], "mask": mask}
+                 for fn in (att.PACKED_FWD, att.PACKED_BWD)]
+        manifest = SimpleNamespace(unit_calls=calls)
+        dev = tvm.cuda(0)
+        att.prepare(manifest, dev)
+        feed = att.feeder(manifest)
+        x = ctx["x"]
+        if mask == "ragged":
+            feed({"position_ids": pos})
+            arg = torch.from_numpy(pos).to(DEV)
+            lse_shape = (B, S, H, 1)
+        else:
+            arg = torch.from_numpy(ctx["documents"].document_bias(pos)).to(DEV).to(torch.bfloat16)
+            lse_shape = (B, H, S, 1)
+        out = Outputs()
+        o, lse, dq, dk, dv = out.buffers()
+        lse_b = torch.empty(lse_shape, dtype=torch.float32, device=DEV)
+        tv = tvm.runtime.from_dlpack
+        sync()
+        tvm_ffi.get_global_func(att.PACKED_FWD)(tv(x["q"]), tv(x["k"]), tv(x["v"]), tv(arg), tv(o.view(B, S, H, Dh)),
+                                               tv(lse_b))
+        tvm_ffi.get_global_func(att.PACKED_BWD)(tv(x["q"]), tv(x["k"]), tv(x["v"]), tv(o.view(B, S, H, Dh)),
+                                               tv(x["do"]), tv(lse_b), tv(arg), tv(dq.view(B, S, H, Dh)),
+                                               tv(dk.view(B, S, K, Dh)), tv(dv.view(B, S, K, Dh)))
+        dev.sync()
+        sync()
+        lse[:B * S].copy_((lse_b if mask == "ragged" else lse_b.permute(0, 2, 1, 3)).reshape(B * S, H, 1))
+        info[mask] = out.checked(ctx["ref"], B * S)
+        if mask == "ragged":
+            docs = att._documents[(B, S)]
+            info[mask]["groups"] = [vars(g) for g in docs.groups]
+        print(f"  mask {mask}:")
+        show(info[mask])
+    info["ok"] = info["ragged"]["ok"] and info["bias"]["ok"]
     return info
 
 
@@ -283,7 +312,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the report here (rewritten after each stage)")
     p.add_argument("--emulate", action="store_true", help="CPU, cuDNN's frontend emulated (tests/_cudnn_emulator.py)")
-    p.add_argument("--variants", action="store_true", help="run the variants even when the runtime's path passed")
+    p.add_argument("--variants", action="store_true", help="run the variants (and the speed stage) even when the "
+                   "runtime's path passed")
+    p.add_argument("--speed", action="store_true", help="run the speed stage (bench/cudnn_isolated_speed.py)")
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
     p.add_argument("--heads", type=int)
@@ -315,6 +346,9 @@ def main(argv=None) -> int:
     if ARGS.variants or not (exact["ok"] and padded["ok"]):
         from cudnn_isolated_variants import st_variants
         stage("variants", st_variants, ctx)
+    if ARGS.variants or ARGS.speed:
+        from cudnn_isolated_speed import st_speed
+        stage("speed", st_speed, ctx)
     stage("tvm", st_tvm, ctx)
     ok = exact["ok"] and padded["ok"] and replay["ok"]
     REPORT["ok"] = ok

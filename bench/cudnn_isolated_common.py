@@ -40,6 +40,13 @@ def import_attention():
     return attention
 
 
+def runtime_modules():
+    """(lorac's cuDNN attention module, its documents module, its sdpa module)."""
+    att = import_attention()
+    from lorac.runtime.devices.cuda import documents, sdpa
+    return att, documents, sdpa
+
+
 def libcudnn() -> str | None:
     """libcudnn.so.9 of the nvidia-cudnn-cu13 wheel (loaded before the frontend dlopens it by name)."""
     roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
@@ -90,6 +97,13 @@ def ensure_workspace(att, *plans) -> None:
         att._workspace.update(bytes=need, tensor=t, ptr=t.data_ptr())
 
 
+def plan(ctx, backward: bool, layout: str = "causal", docs=None, group: int = 0, options=None, data=None):
+    """A plan of lorac's runtime (runtime/devices/cuda/sdpa.py) at the check's shape."""
+    att, a = ctx["att"], ARGS
+    return ctx["sdpa"].Plan(att._cudnn, att._handle, backward, a.batch, a.seq, a.heads, a.kv_heads, a.head_dim,
+                            ctx["scale"], layout, docs, group, options)
+
+
 # -- data ----------------------------------------------------------------------------------
 def row_lengths(rng, S: int, n: int, ones: int) -> list[int]:
     """n document lengths summing to S, `ones` of them one token long (the first of the row
@@ -103,16 +117,16 @@ def row_lengths(rng, S: int, n: int, ones: int) -> list[int]:
     return lengths
 
 
-def make_batch(seed: int, first_rows: list[tuple[int, int]]):
-    """positions [B, S] and bf16 q, k, v, do: rows of lo..hi documents; `first_rows` fixes the
-    (documents, ones) of the first rows."""
+def make_batch(seed: int, first_rows: list[tuple[int, int]], lo: int | None = None, hi: int | None = None):
+    """positions [B, S] and bf16 q, k, v, do: rows of lo..hi documents (default: --docs-lo,
+    --docs-hi); `first_rows` fixes the (documents, ones) of the first rows."""
     import torch
     a = ARGS
+    lo, hi = lo or a.docs_lo, hi or a.docs_hi
     rng = np.random.default_rng(seed)
     rows = []
     for b in range(a.batch):
-        n, ones = first_rows[b] if b < len(first_rows) else (int(rng.integers(a.docs_lo, a.docs_hi + 1)),
-                                                             int(rng.integers(1, 4)))
+        n, ones = first_rows[b] if b < len(first_rows) else (int(rng.integers(lo, hi + 1)), int(rng.integers(1, 4)))
         rows.append(np.concatenate([np.arange(x) for x in row_lengths(rng, a.seq, n, min(ones, n))]))
     pos = np.stack(rows).astype(np.int64)
     g = torch.Generator(device="cpu").manual_seed(seed)

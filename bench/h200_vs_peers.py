@@ -111,7 +111,7 @@ CASES = {
 PEAK = 790e12
 
 
-def _engine(case: str, cache: str, weights=None, tune: int = 0):
+def _engine(case: str, cache: str, weights=None, tune: int = 0, target: str = "cuda"):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.ops.loss import auto_chunk
@@ -129,15 +129,15 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0):
         q = Quant(kind, 64, True) if kind == "nf4" else Quant(kind)
         kw["quant"] = tuple(sorted((fam.weight_name(i, t), q) for i in range(spec.layers) for t in fam.TARGETS))
     targets = MAMBA_PEER_TARGETS if spec.arch == "mamba" else fam.TARGETS  # what the PEFT peer trains
-    train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, extra=fam.train_extra("cuda", 0), **kw)
+    train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, extra=fam.train_extra(target, 0), **kw)
     if embed:  # the tables as `lorac train --quantize-embeddings` holds them (runtime/model/quant/embeddings.py)
         from lorac.runtime.model.quant.embeddings import held
         train = held(spec, train, embed)
     if budget is not None:
         train = auto_checkpointing(spec, train, budget)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
-    eng = Engine(spec, train, weights or {}, "cuda", "bfloat16", cache, optim, log=lambda m: print(m, flush=True),
-                 tune=tune)
+    eng = Engine(spec, train, weights or {}, target, None, cache, optim, log=lambda m: print(m, flush=True),
+                 tune=tune)  # the device's dtype: bf16 on cuda
     return eng, spec, optim
 
 
@@ -214,22 +214,25 @@ def _gpu_used() -> int:
     return total.value - free.value
 
 
-def case_engine(cache: str, case: str, tune: int = 0):
+def case_engine(cache: str, case: str, tune: int = 0, target: str = "cuda"):
     """An engine for `case` with random frozen weights and LoRA state, ready to step:
-    (engine, spec, optimizer config, manifest, batches, GPU bytes in use before loading)."""
+    (engine, spec, optimizer config, manifest, batches, GPU bytes in use before loading;
+    0 for another target than cuda)."""
     import ml_dtypes
     from lorac.runtime.engine.artifact import read_manifest
     from lorac.runtime.train.run import init_lora
 
-    eng, spec, optim = _engine(case, cache, tune=tune)
+    eng, spec, optim = _engine(case, cache, tune=tune, target=target)
     m = read_manifest(eng.compile("train"))  # a cache hit: the input names and dtypes
-    _gpu_used()  # creates the CUDA context
-    base = _gpu_used()
+    base = 0
+    if target == "cuda":
+        _gpu_used()  # creates the CUDA context
+        base = _gpu_used()
     rng = np.random.default_rng(0)
     block = (0.02 * rng.standard_normal(1 << 20)).astype(ml_dtypes.bfloat16)
     weights = {}
     for i in m["inputs"]:  # random frozen weights, tiled from one block (an 8B model in seconds)
-        if i["name"] in ("input_ids", "labels") or "lora_" in i["name"]:
+        if i["name"] in ("input_ids", "labels", "position_ids") or "lora_" in i["name"]:
             continue
         n = int(np.prod(i["shape"]))
         if ".weight." in i["name"]:  # a quantized weight's blocks and scales (graphs/ops/quant.py)
@@ -237,7 +240,7 @@ def case_engine(cache: str, case: str, tune: int = 0):
             continue
         w = np.ones(n, ml_dtypes.bfloat16) if "norm" in i["name"] else np.resize(block, n)
         weights[i["name"]] = w.reshape(i["shape"])
-    eng, spec, optim = _engine(case, cache, weights=weights, tune=tune)
+    eng, spec, optim = _engine(case, cache, weights=weights, tune=tune, target=target)
     del weights
     zeros = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
     eng.set_state(init_lora(eng.shapes, np.random.default_rng(1)), zeros, dict(zeros))
@@ -263,9 +266,11 @@ def random_quant_input(name: str, shape, dtype: str, rng) -> np.ndarray:
 
 def full_step(eng, optim, ids, t: int) -> float:
     """What `lorac train` runs each step: the compiled step, the LoRA+ AdamW update with
-    clipping (its grad-norm read waits for the device), then the loss read back. -> the loss."""
+    clipping (its grad-norm read waits for the device), then the loss read back. -> the loss.
+    ids: input ids (their own labels), or a whole batch dict (packed rows: with position_ids)."""
     from lorac.runtime.train.optim import group_lrs
-    out = eng.step({"input_ids": ids, "labels": ids}, eng.lora, read_loss=False)
+    batch = ids if isinstance(ids, dict) else {"input_ids": ids, "labels": ids}
+    out = eng.step(batch, eng.lora, read_loss=False)
     loss = out.pop("loss")
     eng.update(out, *group_lrs(t, optim), t)
     return float(loss.numpy())

@@ -214,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "never the base model or the checkpoint; an existing directory is replaced only when it holds a "
                    "previous export")
     q.add_argument("--model", help="base model (default: the checkpoint's)")
-    q.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "q8_0"),
+    q.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "q8_0", "base"),
                    help="merged: the weights' dtype (default: the base's; bfloat16 for a quantized GGUF base); "
-                        "gguf-merged: the adapted matrices' type (default: float16; q8_0 quantizes them)")
+                        "gguf-merged: the adapted matrices' type (default: float16; q8_0 quantizes them; base: each "
+                        "in its base tensor's own type, e.g. Q4_K, as llama.cpp quantizes it)")
     g = q.add_argument_group("onnx", "the graph and its shapes (default: the checkpoint's settings, else these)")
     g.add_argument("--graph", choices=GRAPHS, default="train", help="train (loss and LoRA gradients), eval (loss) or "
                    "forward (logits); default: train")

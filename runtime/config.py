@@ -74,7 +74,8 @@ class TrainConfig:
                                    "(docs/WEIGHTS.md)")
     quantized_base: str = setting("auto", "how a quantized base (a *-bnb-4bit model, a quantized GGUF, --quantize) "
                                   "is held: keep (its blocks: QLoRA's memory), dequantize (dense from load) or auto: "
-                                  "keep on cuda, dequantize on cpu (--dequantize: the same as dequantize)")
+                                  "keep on cuda; on cpu dequantize (the faster step) unless the dense weights would "
+                                  "take more than half of the free memory (--dequantize: the same as dequantize)")
     # the embedding and LM head stay dense unless asked, or unless auto finds that only quantizing
     # them fits the budget (train/plan.py; runtime/model/quant/embeddings.py)
     quantize_embeddings: str = setting(
@@ -291,10 +292,17 @@ class TrainConfig:
             raise LoracError(f"--trained-layers must look like A:B (e.g. 20:30) or i,j,k, got {self.trained_layers!r}") from None
         return range(lo, hi)
 
-    def keeps_quantized(self) -> bool:
-        """Whether a quantized base stays in its blocks (--quantized-base, else the device's default)."""
+    def keeps_quantized(self, dense_bytes=None) -> bool:
+        """Whether a quantized base stays in its blocks (--quantized-base, else the device's
+        default: KEEPS_QUANTIZED, or where the device has KEEPS_QUANTIZED_ABOVE (the CPU), kept
+        only when the base held dense, `dense_bytes()` bytes, would take more than that share
+        of the memory free now: dense is the faster step there, docs/BENCHMARKS.md)."""
         if self.quantize or self.quantized_base == "keep":
             return True
         if self.quantized_base == "dequantize":
             return False
-        return bool(getattr(devices.for_target(self.target), "KEEPS_QUANTIZED", False))
+        device = devices.for_target(self.target)
+        if device.KEEPS_QUANTIZED:
+            return True
+        share, free = device.KEEPS_QUANTIZED_ABOVE, device.memory_free()
+        return bool(share and dense_bytes and free) and dense_bytes() > share * free

@@ -66,7 +66,7 @@ def cmd_eval(args) -> int:
                         packing=eng.train.packing, truncate=cfg.truncate)  # --truncate, else the checkpoint's
     if eng.train.packing == "isolated":  # before the eval artifact loads (CUDA sizes its packed attention by it)
         from . import devices
-        devices.for_target(cfg.target).reserve_documents(data.max_documents())
+        devices.for_target(cfg.target).reserve_documents(data.max_documents(), data.longest_document())
     warning = dropped_rows_warning(data.describe(), splits=("eval",))
     if warning:
         print(warning, file=sys.stderr)

@@ -6,8 +6,9 @@ writing host memory at the bound addresses: a tensor is dims [B, H, S, D] with e
 strides; with a ragged offset, sequence b starts at element ragged[b] of the buffer (the
 batch stride is not used) and holds seq_len[b] tokens; causal masking is within each
 sequence (top-left: query r sees keys 0..r); stats are the natural log-sum-exp of each
-scaled, masked score row; the backward recomputes the probabilities from them. bf16 values
-are rounded to nearest even when written. So a test can check what lorac *describes* to
+scaled, masked score row (plus the bias [B|1, 1, S, S] where one is given); the backward
+recomputes the probabilities from them. bf16 values are rounded to nearest even when written.
+Every graph offers two plans (PLANS) that compute the same. So a test can check what lorac *describes* to
 cuDNN (dims, strides, which offsets go with which tensor, the stats layout), not cuDNN.
 """
 from __future__ import annotations
@@ -21,6 +22,9 @@ __version__ = "emulated"
 data_type = SimpleNamespace(BFLOAT16="bfloat16", FLOAT="float32", INT32="int32", INT64="int64", HALF="float16")
 heur_mode = SimpleNamespace(A="A", FALLBACK="FALLBACK")
 diagonal_alignment = SimpleNamespace(TOP_LEFT="TOP_LEFT", BOTTOM_RIGHT="BOTTOM_RIGHT")
+attention_implementation = SimpleNamespace(AUTO="AUTO", COMPOSITE="COMPOSITE", UNIFIED="UNIFIED")
+build_plan_policy = SimpleNamespace(HEURISTICS_CHOICE="HEURISTICS_CHOICE", ALL="ALL")
+PLANS = ("emulated_0", "emulated_1")  # the plans every graph offers (the names of get_plan_name_at_index)
 _CT = {"bfloat16": ctypes.c_uint16, "float32": ctypes.c_float, "int32": ctypes.c_int32, "int64": ctypes.c_int64}
 stream_of = {}
 
@@ -112,7 +116,7 @@ def _bases(t: Tensor, ptrs: dict, B: int) -> np.ndarray:
 
 class pygraph:  # noqa: N801 - the frontend's name
     def __init__(self, io_data_type=None, intermediate_data_type=None, compute_data_type=None, handle=None):
-        self.ops, self.built = [], False
+        self.ops, self.built, self.selected = [], False, 0
 
     def tensor(self, dim, stride, data_type=None, name=""):
         return Tensor(dim, stride, data_type, name)
@@ -124,20 +128,50 @@ class pygraph:  # noqa: N801 - the frontend's name
         lens = (kw["seq_len_q"], kw["seq_len_kv"]) if kw.get("use_padding_mask") else None
         return lens
 
-    def sdpa(self, q, k, v, attn_scale, is_inference=True, name="", **kw):
+    def sdpa(self, q, k, v, attn_scale, is_inference=True, name="", bias=None, implementation=None, **kw):
         o = Tensor(q.dim, q.stride, q.data_type, "o")
         stats = Tensor(q.dim[:3] + [1], [1, 1, 1, 1], "float32", "stats")
-        self.ops.append(("fwd", dict(q=q, k=k, v=v, o=o, stats=stats, scale=attn_scale, lens=self._mask(kw))))
+        self.ops.append(("fwd", dict(q=q, k=k, v=v, o=o, stats=stats, scale=attn_scale, lens=self._mask(kw), bias=bias)))
         return o, stats
 
-    def sdpa_backward(self, q, k, v, o, do, stats, attn_scale, name="", **kw):
+    def sdpa_backward(self, q, k, v, o, do, stats, attn_scale, name="", bias=None, use_deterministic_algorithm=False,
+                      max_total_seq_len_q=None, max_total_seq_len_kv=None, **kw):
         grads = [Tensor(x.dim, x.stride, x.data_type, f"d{x.name}") for x in (q, k, v)]
         self.ops.append(("bwd", dict(q=q, k=k, v=v, o=o, do=do, stats=stats, dq=grads[0], dk=grads[1], dv=grads[2],
-                                     scale=attn_scale, lens=self._mask(kw))))
+                                     scale=attn_scale, lens=self._mask(kw), bias=bias)))
         return grads
 
     def build(self, _heuristics):
         self.built = True
+
+    # the staged build (validate ... build_plans) and the plan list
+    def validate(self):
+        pass
+
+    def build_operation_graph(self):
+        pass
+
+    def create_execution_plans(self, _heuristics):
+        pass
+
+    def check_support(self):
+        pass
+
+    def get_execution_plan_count(self):
+        return len(PLANS)
+
+    def get_plan_name_at_index(self, index):
+        return PLANS[index]
+
+    def select_plan(self, index):
+        self.selected = index
+        return self
+
+    def build_plans(self, *_policy):
+        self.built = True
+
+    def execute_plan_at_index(self, bindings, workspace, index, handle=None):
+        self.execute(bindings, workspace, handle)
 
     def get_workspace_size(self):
         return 256
@@ -160,37 +194,56 @@ class pygraph:  # noqa: N801 - the frontend's name
             L = None if lens is None else lens[0]
             q, k, v = (_read(a[n], ptrs, L) for n in "qkv")
             G = a["q"].dim[1] // a["k"].dim[1]
+            bias = _bias(a["bias"], ptrs, B)
             if kind == "fwd":
-                res = [_forward(qq, np.repeat(kk, G, 0), np.repeat(vv, G, 0), a["scale"]) for qq, kk, vv in zip(q, k, v)]
+                res = [_forward(qq, np.repeat(kk, G, 0), np.repeat(vv, G, 0), a["scale"], bb)
+                       for qq, kk, vv, bb in zip(q, k, v, bias)]
                 _write(a["o"], ptrs, L, [r[0] for r in res])
                 _write(a["stats"], ptrs, L, [r[1][..., None] for r in res])
             else:
                 o, do, stats = (_read(a[n], ptrs, L) for n in ("o", "do", "stats"))
-                res = [_backward(*x, a["scale"], G) for x in zip(q, k, v, o, do, stats)]
+                res = [_backward(*x, a["scale"], G) for x in zip(q, k, v, o, do, stats, bias)]
                 for i, n in enumerate(("dq", "dk", "dv")):
                     _write(a[n], ptrs, L, [r[i] for r in res])
 
 
-def _scores(q, kk, scale):
+def _bias(t, ptrs: dict, B: int) -> list:
+    """Per batch entry, the bias [1, S, S] (float64) or 0.0 without one (dims [B or 1, 1, S, S], bf16 or fp32)."""
+    if t is None:
+        return [0.0] * B
+    assert t.dim[1] == 1 and t.data_type in ("bfloat16", "float32"), f"emulated: bias [B, 1, S, S], got {t.dim}"
+    S, S2 = t.dim[2:]
+    out = []
+    for b in range(B):
+        base = (b if t.dim[0] > 1 else 0) * t.stride[0]
+        idx = base + np.arange(S)[:, None] * t.stride[2] + np.arange(S2)[None, :] * t.stride[3]
+        vals = _view(ptrs[id(t)], t.data_type, int(idx.max()) + 1)[idx]
+        if t.data_type == "bfloat16":
+            vals = (vals.astype(np.uint32) << 16).view(np.float32)
+        out.append(np.asarray(vals, np.float64)[None])
+    return out
+
+
+def _scores(q, kk, scale, bias=0.0):
     L = q.shape[1]
-    s = np.einsum("hid,hjd->hij", q, kk) * scale
+    s = np.einsum("hid,hjd->hij", q, kk) * scale + (bias[:, :L, :L] if np.ndim(bias) else bias)
     return np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
 
 
-def _forward(q, kk, vv, scale):
+def _forward(q, kk, vv, scale, bias=0.0):
     if q.shape[1] == 0:
         return q.copy(), np.zeros(q.shape[:2])
-    s = _scores(q, kk, scale)
+    s = _scores(q, kk, scale, bias)
     m = s.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
     return np.einsum("hij,hjd->hid", np.exp(s - lse[..., None]), vv), lse
 
 
-def _backward(q, k, v, o, do, stats, scale, G):
+def _backward(q, k, v, o, do, stats, bias, scale, G):
     if q.shape[1] == 0:
         return q.copy(), k.copy(), v.copy()
     kk, vv = np.repeat(k, G, 0), np.repeat(v, G, 0)
-    p = np.exp(_scores(q, kk, scale) - stats)  # stats [H, L, 1]
+    p = np.exp(_scores(q, kk, scale, bias) - stats)  # stats [H, L, 1]
     dp = np.einsum("hid,hjd->hij", do, vv)
     ds = p * (dp - (do * o).sum(-1, keepdims=True)) * scale
     fold = lambda x: x.reshape(k.shape[0], G, *x.shape[1:]).sum(1)  # noqa: E731 - each kv head's group

@@ -67,3 +67,24 @@ def test_the_optimizer_docs_table_matches_the_defaults():
             assert (betas, float(eps)) == (str(opt.betas), opt.eps)
         elif f.name != "eps":
             assert float(rows[f.name]) == float(getattr(opt, f.name)), f.name
+
+
+def test_quantized_base_auto_keeps_on_cuda_and_on_cpu_only_when_dense_would_not_fit(monkeypatch):
+    """--quantized-base auto: cuda keeps a quantized base's blocks; the CPU dequantizes it (the
+    faster step) unless the dense weights would take more than half of the free memory; keep,
+    dequantize and --quantize decide by themselves, without asking for the dense size."""
+    from lorac.runtime import devices
+    cpu = devices.for_target("cpu")
+    monkeypatch.setattr(cpu, "memory_free", lambda: 8 * 10**9)
+    asked = []
+    size = lambda n: lambda: asked.append(n) or n  # noqa: E731
+    assert TrainConfig().keeps_quantized(size(4 * 10**9)) is False and asked == [4 * 10**9]
+    assert TrainConfig().keeps_quantized(size(4 * 10**9 + 1)) is True
+    assert TrainConfig().keeps_quantized() is False  # no size known: dense
+    asked.clear()
+    assert TrainConfig(quantized_base="dequantize").keeps_quantized(size(10**12)) is False
+    assert TrainConfig(quantized_base="keep").keeps_quantized(size(1)) is True
+    assert TrainConfig(quantize="int8").keeps_quantized(size(1)) is True
+    assert TrainConfig(target="cuda").keeps_quantized(size(1)) is True and asked == []
+    monkeypatch.setattr(cpu, "memory_free", lambda: None)  # nothing known about the memory: dense
+    assert TrainConfig().keeps_quantized(size(10**12)) is False

@@ -151,9 +151,7 @@ def test_auto_quantizes_the_tables_only_where_nothing_fits_with_them_dense(monke
     assert plan.cfg.quantize_embeddings == "off" and not any(n.startswith(("model.embed", "lm_head"))
                                                              for n, _ in plan.train.quant)
     assert not any(line.startswith("embeddings") for line in logs)
-    plan, _ = _plan(monkeypatch, LLAMA3_8B, (), memory_budget=8.0)  # a dense base: not QLoRA, left dense
-    assert plan.cfg.quantize_embeddings == "off"
-    plan, _ = _plan(monkeypatch, LLAMA3_8B, layers, memory_budget=8.0, quantized_base="dequantize")
+    plan, _ = _plan(monkeypatch, LLAMA3_8B, (), memory_budget=8.0)  # a dense base (or --dequantize): left dense
     assert plan.cfg.quantize_embeddings == "off"
     plan, _ = _plan(monkeypatch, LLAMA3_8B, layers, memory_budget=8.0, checkpointing="offload")  # no memory choice
     assert plan.cfg.quantize_embeddings == "off"

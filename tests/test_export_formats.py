@@ -104,6 +104,50 @@ def test_gguf_merged_on_a_quantized_llama_file(tmp_path):
         np.testing.assert_array_equal(x, ref[name].numpy(), err_msg=name)
 
 
+def test_gguf_merged_in_the_base_types_of_a_k_quant_file(tmp_path):
+    """--dtype base: each adapted matrix in its base tensor's own type (Q4_K, Q6_K, Q5_0 stay so,
+    their blocks llama.cpp's quantization of W + s B A), Q2_K, which lorac cannot quantize to,
+    written F16 and said so; untouched tensors byte for byte."""
+    from lorac.runtime.export.gguf_merged import export_gguf_merged
+    from lorac.runtime.model.gguf import load_gguf
+    from lorac.runtime.model.quant.gguf_blocks import quantize
+    from test_gguf import gguf_name, hf_weights, write_gguf
+    w = hf_weights("llama", np.random.default_rng(6), hidden=256, heads=4, kv=2, head_dim=64, ffn=512, vocab=64)
+    w = {k: v / np.float32(16) if v.ndim == 2 else v for k, v in w.items()}
+    kinds = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K", "gate_proj": "Q2_K",
+             "up_proj": "Q5_0", "down_proj": "Q6_K"}
+    base = tmp_path / "base.gguf"
+    write_gguf(base, "llama", w, heads=4, kv=2, head_dim=64, qtype=lambda n: next(
+        (k for t, k in kinds.items() if t in n), "F32"))
+    config, before = load_gguf(base)
+    lora = random_lora(config, (0, 1), ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"))
+    said = []
+    out = export_gguf_merged(tmp_path / "m.gguf", base, lora, alpha=4.0, qtype="BASE", warn=said.append)
+    a = {t.name: t for t in gguf.GGUFReader(str(base)).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    adapted = {gguf_name(f"model.layers.{i}.{m}.weight") for i in (0, 1) for m in
+               ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    for name, t in a.items():
+        want = "F16" if name in adapted and t.tensor_type.name == "Q2_K" else t.tensor_type.name
+        assert b[name].tensor_type.name == want, name
+        if name not in adapted:
+            assert np.array_equal(np.asarray(b[name].data), np.asarray(t.data)), name
+    assert said == ["written F16, for lorac cannot quantize to their base types: blk.0.ffn_gate.weight (Q2_K), "
+                    "blk.1.ffn_gate.weight (Q2_K)"]
+    want = merged_reference(before, lora, 4.0)
+    for hf in ("model.layers.1.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight",
+               "model.layers.1.mlp.down_proj.weight"):  # rows in the file's order: no q/k permutation
+        t = b[gguf_name(hf)]
+        blocks = np.asarray(t.data).reshape(want[hf].shape[0], -1)
+        assert np.array_equal(blocks, quantize(want[hf], t.tensor_type.name)), hf
+    _, after = load_gguf(out)
+    for hf in want:
+        if any(f"layers.{i}.{m}" in hf for i in (0, 1) for m in ("q_proj", "v_proj", "up_proj", "down_proj")):
+            assert np.abs(after[hf] - before[hf]).max() > 1e-3, hf  # the LoRA is in there
+            step = np.abs(want[hf]).max() / 7  # within a 4-bit step of the row range, generously
+            assert np.abs(after[hf] - want[hf]).max() < step, hf
+
+
 def test_gguf_merged_keeps_the_metadata_of_smollm(smollm, tmp_path):
     from lorac.runtime.export.gguf_merged import export_gguf_merged
     path, (config, _, _) = smollm

@@ -115,7 +115,8 @@ def random_blocks(qt, shape, rng):
 
 def write_gguf(path, arch, w, heads=4, kv=2, head_dim=8, qtype="F32", permute=True):
     """A GGUF file as llama.cpp's converter would write this model (2-D tensors in qtype, a
-    type name or a function of the HF tensor name; random blocks for types gguf cannot quantize to)."""
+    type name or a function of the HF tensor name; random blocks for Q2_K and Q3_K, which
+    neither gguf nor lorac quantizes)."""
     writer = gguf.GGUFWriter(str(path), arch)
     hidden = w["model.embed_tokens.weight"].shape[1]
     writer.add_block_count(sum(1 for k in w if k.endswith("input_layernorm.weight")))
@@ -136,7 +137,10 @@ def write_gguf(path, arch, w, heads=4, kv=2, head_dim=8, qtype="F32", permute=Tr
         elif permute and name.endswith("k_proj.weight"):
             t = llama_cpp_permute(t, kv)
         qt = gguf.GGMLQuantizationType[qtype(name) if callable(qtype) else qtype]
-        if t.ndim == 2 and qt.name in RANDOM_BLOCKS:  # gguf cannot quantize to these: random blocks
+        if t.ndim == 2 and qt.name in ("Q4_K", "Q5_K", "Q6_K"):  # llama.cpp's reference quantizers (lorac's numpy)
+            from lorac.runtime.model.quant.kquants import quantize as kquantize
+            writer.add_tensor(gguf_name(name), kquantize(t, qt.name), raw_dtype=qt)
+        elif t.ndim == 2 and qt.name in RANDOM_BLOCKS:  # no quantizer here (Q2_K, Q3_K): random blocks
             writer.add_tensor(gguf_name(name), random_blocks(qt, t.shape, np.random.default_rng(len(name))), raw_dtype=qt)
         elif t.ndim == 2 and qt.name != "F32":
             writer.add_tensor(gguf_name(name), quants.quantize(t, qt), raw_dtype=qt)

@@ -121,9 +121,11 @@ class _Buffer:
 @pytest.fixture
 def clean():
     attention.release()
+    saved = dict(attention.PACKED)
     yield
     attention.release()
-    attention._per_row[0] = None
+    attention._reserved.update(per_row=None, longest=None)
+    attention.PACKED.update(saved)
 
 
 def test_document_buffers_and_the_feeder(clean):
@@ -132,13 +134,13 @@ def test_document_buffers_and_the_feeder(clean):
     token, filled from each call's position_ids by the feeder the artifact's Step calls."""
     B, S, H, K, Dh = 2, 9, 4, 2, 8
     docs = attention.documents_for(B, S, _Buffer)
-    assert docs.capacity == B * S  # nothing reserved: every token may be a document
+    assert docs.capacity == B * S and docs.longest == S  # nothing reserved: every token may be a document
     attention.release()
     attention.reserve_documents(4)
     docs = attention.documents_for(B, S, _Buffer)
     assert docs.capacity == 8 and attention.documents_for(B, S, _Buffer) is docs
-    assert docs.lengths.a.tolist() == [9, 9] + [0] * 6  # one document a row until a batch comes
-    q, kv, lse = (docs.offsets_of(m) for m in (H * Dh, K * Dh, H))
+    assert docs.lengths[0].a.tolist() == [9, 9] + [0] * 6  # one document a row until a batch comes
+    q, kv, lse = (docs.offsets_of(0, m) for m in (H * Dh, K * Dh, H))
     manifest = SimpleNamespace(unit_calls=[
         {"function": attention.PACKED_FWD, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": 0.3},
         {"function": attention.FWD, "B": 1, "S": 4, "H": H, "K": K, "Dh": Dh, "scale": 0.3}])
@@ -146,10 +148,10 @@ def test_document_buffers_and_the_feeder(clean):
     pos = rows((3, 4, 2), (1, 8))
     feed({"position_ids": pos, "input_ids": np.zeros((B, S), np.int64)})
     lengths, starts = split_documents(pos, 8)
-    assert docs.lengths.a.tolist() == lengths.tolist() == [3, 4, 2, 1, 8, 0, 0, 0]
+    assert docs.lengths[0].a.tolist() == lengths.tolist() == [3, 4, 2, 1, 8, 0, 0, 0]
     for buf, m in ((q, H * Dh), (kv, K * Dh), (lse, H)):
         np.testing.assert_array_equal(buf.a, starts * m)
-    late = docs.offsets_of(3)  # made after a fill: filled with that batch's documents at once
+    late = docs.offsets_of(0, 3)  # made after a fill: filled with that batch's documents at once
     np.testing.assert_array_equal(late.a, starts * 3)
     with pytest.raises(LoracError, match="at most 8"):
         feed({"position_ids": np.broadcast_to(np.zeros(S, np.int64), (B, S))})
@@ -193,27 +195,57 @@ def emulated(clean):
     yield emulator
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_plans_describe_each_document_to_cudnn(emulated, packed):
+MODES = {  # name: (packed mask, PACKED settings)
+    "plain": (None, {}),
+    "ragged": ("ragged", {"max_seq": "row"}),
+    "ragged-longest": ("ragged", {"max_seq": "longest"}),
+    "ragged-groups": ("ragged", {"max_seq": "longest", "bounds": (2, 4)}),
+    "ragged-options": ("ragged", {"max_seq": "longest", "deterministic": True, "implementation": "UNIFIED",
+                                  "engine": {"fwd": "emulated_1", "bwd": "emulated_1"}}),
+    "bias": ("bias", {}),
+}
+
+
+def bias_buffer(pos):
+    from lorac.runtime.devices.cuda.documents import document_bias
+    bias = document_bias(pos)
+    buf = _Buffer(bias.shape, "bfloat16")
+    buf.copyfrom(bf16(bias))
+    return buf
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_plans_describe_each_document_to_cudnn(emulated, mode):
     """What lorac describes to cuDNN (dims, token-major strides, each tensor's ragged offsets,
-    the stats layout, lengths), run by the emulator as cuDNN's documentation defines it: the
-    packed plans compute the packed graph's attention (graphs/ops/attention.py's mask) and its
-    gradients, write nothing past the tokens (the empty sequences start there), and the plain
-    ones causal attention over whole rows."""
-    B, S, H, K, Dh, scale = 2, 12, 4, 2, 8, 0.3
-    pos = rows((3, 1, 5, 3), (12,)) if packed else rows((12,), (12,))
-    attention.reserve_documents(5)  # capacity 10 > 5 documents: empty sequences too
-    fns = (attention.PACKED_FWD, attention.PACKED_BWD) if packed else (attention.FWD, attention.BWD)
-    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale} for fn in fns]
+    the stats layout, lengths; or the documents' bias), run by the emulator as cuDNN's
+    documentation defines it: the packed plans compute the packed graph's attention
+    (graphs/ops/attention.py's mask) and its gradients, write nothing past the tokens (the
+    empty sequences start there), and the plain ones causal attention over whole rows. Ragged
+    plans as long as the longest document (rounded up to 64 tokens: here the row) or split by
+    length into groups of plans (documents of 1-2, 3-4 and 5 tokens) compute the same."""
+    mask, settings = MODES[mode]
+    attention.PACKED.update(settings)
+    B, S, H, K, Dh, scale = 2, 80, 4, 2, 8, 0.3
+    pos = rows((30, 1, 40, 9), (2, 2, 1, 2, 5, 40, 28)) if mask else rows((80,), (80,))
+    attention.reserve_documents(8, 40)  # capacity 16 > 11 documents: empty sequences too
+    fns = (attention.PACKED_FWD, attention.PACKED_BWD) if mask else (attention.FWD, attention.BWD)
+    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale, **({"mask": mask} if mask else {})}
+             for fn in fns]
     fwd, bwd = (attention.build_plan(c, _Buffer)[0] for c in calls)
     attention.size_workspace(_Buffer)
-    for plan in (fwd, bwd):
+    for plan in fwd + bwd:
         attention.warm(plan, _Buffer)
     feed = attention.feeder(SimpleNamespace(unit_calls=calls))
-    assert (feed is None) != packed
-    if packed:
-        assert fwd.docs is bwd.docs and fwd.docs.capacity == 10
+    assert (feed is None) != (mask == "ragged")
+    if mask == "ragged":
+        docs = fwd[0].docs
+        assert all(p.docs is docs for p in fwd + bwd) and len(fwd) == len(bwd) == len(docs.groups)
+        groups = [(g.lo, g.hi, g.max_seq, g.capacity) for g in docs.groups]
+        assert groups == ([(0, 2, 64, 16), (2, 4, 64, 16), (4, 40, 64, 16)] if settings.get("bounds") else
+                          [(0, 80, 80, 16)] if settings.get("max_seq") == "row" else [(0, 40, 64, 16)])
         feed({"position_ids": pos})
+    if settings.get("engine"):
+        assert fwd[0].graph.selected == bwd[0].graph.selected == 1
     rng = np.random.default_rng(3)
     x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
     pad = lambda h, dtype="bfloat16": _Buffer(((B + 1) * S * h * (Dh if dtype == "bfloat16" else 1),), dtype)  # noqa
@@ -221,8 +253,10 @@ def test_plans_describe_each_document_to_cudnn(emulated, packed):
     ins = {n: _Buffer(a.shape, "bfloat16") for n, a in x.items()}
     for n, a in x.items():
         ins[n].copyfrom(a)
-    fwd.run([ins["q"], ins["k"], ins["v"], out["o"], out["lse"]])
-    bwd.run([ins["q"], ins["k"], ins["v"], out["o"], ins["do"], out["lse"], out["dq"], out["dk"], out["dv"]])
+    ins["bias"] = bias_buffer(pos)
+    buffers = {**ins, **out}
+    attention._run(fwd, [buffers[n] for n in fwd[0].names])
+    attention._run(bwd, [buffers[n] for n in bwd[0].names])
     want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)
     T = B * S
     for n, h in (("o", H), ("dq", H), ("dk", K), ("dv", K)):
@@ -230,26 +264,98 @@ def test_plans_describe_each_document_to_cudnn(emulated, packed):
         np.testing.assert_allclose(got, want[n], atol=2e-2 * np.abs(want[n]).max(), err_msg=n)
         assert (out[n].a[T * h * Dh:] == 0x7FC0).all(), f"{n}: written past the tokens"
     lse = out["lse"].a
-    got = lse[:T * H].reshape(B, S, H) if packed else lse[:T * H].reshape(B, H, S).transpose(0, 2, 1)
+    got = lse[:T * H].reshape(B, S, H) if mask == "ragged" else lse[:T * H].reshape(B, H, S).transpose(0, 2, 1)
     np.testing.assert_allclose(got, want["lse"], rtol=1e-5, atol=1e-5)
     assert (lse[T * H:] == -7).all()
 
 
-def test_registered_functions_read_the_fed_documents(emulated):
+def test_unknown_masks_and_engines_are_refused(emulated):
+    call = {"function": attention.PACKED_FWD, "B": 1, "S": 4, "H": 2, "K": 1, "Dh": 8, "scale": 0.5}
+    with pytest.raises(LoracError, match="masks documents by 'alibi'; this runtime knows ragged, bias"):
+        attention.build_plan({**call, "mask": "alibi"}, _Buffer)
+    attention.PACKED["engine"] = {"fwd": "eng99"}
+    with pytest.raises(LoracError, match="no fused attention plan for B=1 S=4 heads=2/1 head_dim=8 packed in 4 "
+                                         "sequences of at most 4 tokens: no cuDNN plan named 'eng99'"):
+        attention.build_plan(call, _Buffer)
+
+
+def test_groups_bound_capacity_and_length():
+    """A row of S tokens holds at most S // (lo + 1) documents longer than lo: the groups' plans
+    need no more sequences than that (and no more than the documents a row holds)."""
+    from lorac.runtime.devices.cuda.documents import Group, groups_for
+    assert groups_for(2, 1024, 40, 700, (128, 256)) == (
+        Group(0, 128, 128, 80), Group(128, 256, 256, 14), Group(256, 700, 704, 6))
+    assert groups_for(2, 1024, 40, 100, (128,)) == (Group(0, 100, 128, 80),)  # bounds past the longest go
+    assert groups_for(2, 1000, None, None) == (Group(0, 1000, 1000, 2000),)  # nothing reserved: S, every token
+    assert groups_for(8, 1024, 3, 1000, (64,)) == (Group(0, 64, 64, 24), Group(64, 1000, 1024, 24))
+
+
+def test_documents_fill_each_group_and_refuse_what_the_plans_cannot_hold():
+    from lorac.runtime.devices.cuda.documents import Documents, groups_for
+    rng = np.random.default_rng(1)
+    B, S = 4, 64
+    pos = []
+    for _ in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, S), rng.integers(2, 12), replace=False))
+        pos.append(np.concatenate([np.arange(n) for n in np.diff(np.r_[0, cuts, S])]))
+    pos = np.stack(pos)
+    lengths, starts = split_documents(pos, int((pos == 0).sum()))
+    docs = Documents(B, S, groups_for(B, S, 12, int(lengths.max()), (4, 16)), _Buffer)
+    assert [(g.lo, g.hi) for g in docs.groups] == [(0, 4), (4, 16), (16, int(lengths.max()))]
+    docs.fill(pos)
+    seen, found = np.zeros((B * S, B * S), bool), []
+    for i, g in enumerate(docs.groups):
+        lens, off = docs.lengths[i].a, docs.offsets_of(i, 3).a // 3
+        n = int((lens > 0).sum())
+        assert (lens[:n] > g.lo).all() and (lens[:n] <= g.hi).all() and not lens[n:].any()
+        assert (off[n:] == B * S).all() and (np.diff(off[:n]) > 0).all()  # token order, empty ones at the end
+        found += list(zip(off[:n].tolist(), lens[:n].tolist()))
+        for a, m in zip(off[:n].tolist(), lens[:n].tolist()):
+            seen[a:a + m, a:a + m] = np.tril(np.ones((m, m), bool))
+    assert sorted(found) == sorted(zip(starts[:-1].tolist(), lengths.tolist()))
+    blocks = seen.reshape(B, S, B, S)[np.arange(B), :, np.arange(B), :]
+    np.testing.assert_array_equal(blocks, graph_mask(pos))
+    short = Documents(B, S, groups_for(B, S, 12, 8), _Buffer)
+    with pytest.raises(LoracError, match="holds a document of [0-9]+ tokens; the packed attention was prepared for "
+                                         "documents of at most 8"):
+        short.fill(pos)
+    few = Documents(1, S, groups_for(1, S, 12, S, (4,)), _Buffer)  # 12 sequences a group
+    thirteen = np.concatenate([np.zeros(13, np.int64), np.arange(S - 13)])[None]  # 13 one-token documents, then one
+    with pytest.raises(LoracError, match=r"batch of 1 rows holds 13 documents of 1..4 tokens; .* at most 12"):
+        few.fill(thirteen)
+
+
+def test_document_bias_is_the_graph_mask():
+    from lorac.runtime.devices.cuda.documents import MASKED, document_bias
+    from lorac.graphs.ops.attention import MASKED as GRAPH_MASKED
+    assert MASKED == GRAPH_MASKED
+    pos = rows((3, 1, 5, 3), (12,), (1,) * 12)
+    bias = document_bias(pos)
+    assert bias.shape == (3, 1, 12, 12) and bias.dtype == np.float32
+    causal = np.tril(np.ones((12, 12), bool))
+    np.testing.assert_array_equal((bias[:, 0] == 0) & causal, graph_mask(pos))
+    assert set(np.unique(bias).tolist()) <= {0.0, np.float32(MASKED)}
+
+
+@pytest.mark.parametrize("mask", ["ragged", "bias"])
+def test_registered_functions_read_the_fed_documents(emulated, mask):
     """The path a compiled step takes, with TVM's runtime on the CPU and the emulator for cuDNN:
     prepare() builds, warms and registers the packed functions, the feeder fills the documents
-    of each call's position_ids, and the registered functions (called as the VM calls them)
-    compute each batch's documents, the second batch's too (what a replayed capture reads)."""
+    of each call's position_ids (ragged; a bias build feeds nothing: the step computes the bias),
+    and the registered functions (called as the VM calls them) compute each batch's documents,
+    the second batch's too (what a replayed capture reads)."""
     tvm = pytest.importorskip("tvm")
     import tvm_ffi
+    from lorac.runtime.devices.cuda.documents import document_bias
     B, S, H, K, Dh, scale = 2, 10, 2, 1, 8, 0.5
-    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale}
+    calls = [{"function": fn, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale, "mask": mask}
              for fn in (attention.PACKED_FWD, attention.PACKED_BWD)]
     manifest = SimpleNamespace(unit_calls=calls)
-    attention.reserve_documents(4)
+    attention.reserve_documents(4, 10)
     dev = tvm.cpu()
     attention.prepare(manifest, dev)
     feed = attention.feeder(manifest)
+    assert (feed is None) == (mask == "bias")
     rng = np.random.default_rng(5)
     t = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
     for docs in [((3, 7), (1, 1, 4, 4)), ((10,), (2, 8))]:
@@ -258,12 +364,14 @@ def test_registered_functions_read_the_fed_documents(emulated):
         dv = {n: t(a.view(np.uint16)) for n, a in x.items()}  # bf16 bits; the functions read addresses only
         o, dq = t(np.zeros((B, S, H, Dh), np.uint16)), t(np.zeros((B, S, H, Dh), np.uint16))
         dk, dvv = t(np.zeros((B, S, K, Dh), np.uint16)), t(np.zeros((B, S, K, Dh), np.uint16))
-        lse = t(np.zeros((B, S, H, 1), np.float32))
-        feed({"position_ids": pos})
-        pos_t = t(pos)
-        tvm_ffi.get_global_func(attention.PACKED_FWD)(dv["q"], dv["k"], dv["v"], pos_t, o, lse)
-        tvm_ffi.get_global_func(attention.PACKED_BWD)(dv["q"], dv["k"], dv["v"], o, dv["do"], lse, pos_t, dq, dk, dvv)
+        lse = t(np.zeros((B, S, H, 1) if mask == "ragged" else (B, H, S, 1), np.float32))
+        if feed:
+            feed({"position_ids": pos})
+        arg = t(pos) if mask == "ragged" else t(bf16(document_bias(pos)))
+        tvm_ffi.get_global_func(attention.PACKED_FWD)(dv["q"], dv["k"], dv["v"], arg, o, lse)
+        tvm_ffi.get_global_func(attention.PACKED_BWD)(dv["q"], dv["k"], dv["v"], o, dv["do"], lse, arg, dq, dk, dvv)
         want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)
         for name, got in (("o", o), ("dq", dq), ("dk", dk), ("dv", dvv)):
             np.testing.assert_allclose(f64(got.numpy()), want[name], atol=2e-2 * np.abs(want[name]).max(), err_msg=name)
-        np.testing.assert_allclose(lse.numpy()[..., 0], want["lse"], rtol=1e-5, atol=1e-5)
+        got = lse.numpy()[..., 0]
+        np.testing.assert_allclose(got if mask == "ragged" else got.transpose(0, 2, 1), want["lse"], rtol=1e-5, atol=1e-5)

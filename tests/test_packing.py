@@ -355,6 +355,59 @@ def test_cuda_pipeline_maps_the_packed_attention_to_cudnn(dtype, ckpt):
     assert [int(d) for d in lse.shape.values] == [2, 9, spec.heads, 1] and lse.dtype == "float32"
 
 
+def test_cuda_pipeline_masks_documents_by_a_bias(monkeypatch):
+    """With PACKED_MASK "bias" the packed calls take one bias [B, 1, S, S] bf16, computed once
+    from the position ids and shared by every layer's forward and backward, and their stats
+    are [B, H, S, 1]; past BIAS_MAX_BYTES the build stays ragged."""
+    pytest.importorskip("tvm")
+    from tvm import relax
+    from lorac.compiler.targets.cuda import attention as cuda_attention
+    from test_compiler_gpu_passes import _cuda_plan
+    monkeypatch.setattr(cuda_attention, "PACKED_MASK", "bias")
+    spec, train, model = _small_packed(checkpointing=True)
+    calls = []
+    relax.analysis.post_order_visit(_cuda_plan(model, "bfloat16")["_mod"]["main"], lambda e: isinstance(e, relax.Call)
+                                    and isinstance(e.op, relax.ExternFunc)
+                                    and e.op.global_symbol.startswith("lorac.attention") and calls.append(e))
+    assert len(calls) == 6
+    for c in calls:
+        at = 3 if c.op.global_symbol == "lorac.attention_packed_fwd" else 6
+        assert [int(d) for d in c.args[at].ty.shape.values] == [2, 1, 9, 9] and c.args[at].ty.dtype == "bfloat16"
+    biases = [c.args[3 if c.op.global_symbol.endswith("fwd") else 6] for c in calls]
+    assert all(b.same_as(biases[0]) for b in biases)  # one bias for the step
+    fwd = next(c for c in calls if c.op.global_symbol == "lorac.attention_packed_fwd")
+    assert [int(d) for d in fwd.args[-1].ty.shape.values] == [2, spec.heads, 9, 1]
+    assert cuda_attention.packed_mask(2, 9) == "bias"
+    monkeypatch.setattr(cuda_attention, "BIAS_MAX_BYTES", 2 * 2 * 9 * 9 - 1)
+    assert cuda_attention.packed_mask(2, 9) == "ragged"
+
+
+def test_document_bias_kernel_equals_the_runtime_reference():
+    """The bias the CUDA build computes (compiler/targets/cuda/attention.document_bias), built
+    for the CPU and run on packed rows, equals runtime/devices/cuda/documents.document_bias,
+    whose zeros under the causal mask are the packed graph's mask."""
+    tvm = pytest.importorskip("tvm")
+    import ml_dtypes
+    from tvm import relax
+    from lorac.compiler.targets.cuda.attention import document_bias
+    from lorac.runtime.devices.cuda.documents import document_bias as reference
+    B, S = 3, 11
+    bb = relax.BlockBuilder()
+    pos = relax.Var("pos", relax.TensorType([B, S], "int64"))
+    with bb.function("main", [pos]):
+        with bb.dataflow():
+            out = bb.emit_output(document_bias(bb, pos, B, S))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), "llvm"), tvm.cpu())
+    p = np.stack([positions_of(4, 5, 2), positions_of(11), positions_of(*(1,) * 11)])
+    got = vm["main"](tvm.runtime.tensor(p)).numpy()
+    assert got.dtype == ml_dtypes.bfloat16 and got.shape == (B, 1, S, S)
+    np.testing.assert_array_equal(got.astype(np.float32), reference(p).astype(ml_dtypes.bfloat16).astype(np.float32))
+    seen = (got[:, 0].astype(np.float32) == 0) & np.tril(np.ones((S, S), bool))
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    np.testing.assert_array_equal(seen, (j <= i) & (i - j <= p[:, :, None]))
+
+
 def test_cuda_build_maps_the_packed_units(tmp_path):
     import shutil
     pytest.importorskip("tvm")
@@ -427,8 +480,9 @@ def test_eval_batches_carry_positions(tmp_path, tok):
     n = len(ds.eval_rows)
     np.testing.assert_array_equal(got[:n], _expected_positions(lengths, ds.eval.n_rows(8), 8)[ds.eval_rows])
     filled = (np.concatenate([b["labels"] for b in batches])[n:] == -100).all(axis=1)
-    assert len(filled) and filled.all()  # rows that fill the last batch: plain positions, nothing counted
-    np.testing.assert_array_equal(got[n:], np.broadcast_to(np.arange(8), (len(filled), 8)))
+    assert len(filled) and filled.all()  # rows that fill the last batch count nothing and repeat its first
+    first = (len(batches) - 1) * 4  # row's positions: no more documents, nor longer ones, than the data's rows
+    np.testing.assert_array_equal(got[n:], np.broadcast_to(got[first], (len(filled), 8)))
 
 
 def test_long_paragraph_cut_into_pieces_stays_one_document(tmp_path, tok, monkeypatch):
@@ -457,6 +511,27 @@ def test_documents_per_row_count_the_position_zeros(tmp_path, tok):
         assert want.max() > 1 and ds.max_documents() == max(
             int(want[ds.train_rows].max()), int((ds.eval.positions(ds.eval_rows, seq) == 0).sum(axis=1).max(initial=1)))
     assert _ds(tmp_path, tok, docs, 8, "plain").max_documents() == 1
+
+
+def test_longest_document_as_the_positions_number_it(tmp_path, tok):
+    """What CUDA's ragged plans are as long as (PackedData.longest_document): the longest run of
+    positions 0, 1, ... in any used row (documents cut at rows, the padding of the last row)."""
+    docs = ["the quick brown fox", "a", "a lazy dog", "hackers write cruft and kludges in C with foo bar baz",
+            "jargon", "b", "c"]
+    for seq in (4, 8, 16, 64):
+        ds = _ds(tmp_path, tok, docs, seq, "isolated")
+        rows = np.arange(ds.train.n_rows(seq))
+        want = ds.train.positions(rows, seq).max(axis=1) + 1
+        for some in (rows, rows[::2], rows[-1:], ds.train_rows):
+            if len(some):
+                assert ds.train.longest_document(some, seq) == want[some].max()
+        assert ds.train.longest_document(rows[:0], seq) == 0
+        evals = ds.eval.positions(ds.eval_rows, seq).max(axis=1, initial=0) + 1
+        assert ds.longest_document() == max(int(want[ds.train_rows].max()), int(evals.max(initial=1)))
+        for b in ds.eval_batches(3):  # the filler rows of the last eval batch stay within both bounds
+            assert (b["position_ids"].max(axis=1) < ds.longest_document()).all()
+            assert ((b["position_ids"] == 0).sum(axis=1) <= ds.max_documents()).all()
+    assert _ds(tmp_path, tok, docs, 8, "plain").longest_document() == 8
 
 
 def test_answer_rows_skip_targets_at_document_starts(tmp_path, tok):

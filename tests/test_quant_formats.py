@@ -61,8 +61,8 @@ def test_gguf_blocks_refuse_partial_rows_and_non_finite_scales():
     raw[1, 1] = 0x7C  # block 1's d: exponent 31 (inf)
     with pytest.raises(LoracError, match=r"^GGUF tensor t: block 1 has a non-finite fp16 scale \(corrupt Q4_K data\)$"):
         gguf_blocks.blocks_of(raw, "Q4_K", 3, 256, "t")
-    with pytest.raises(LoracError, match="cannot quantize to Q4_K"):
-        gguf_blocks.quantize(np.ones((2, 256), np.float32), "Q4_K")
+    with pytest.raises(LoracError, match=r"^tensor w: has non-finite values; cannot quantize it to Q4_K$"):
+        gguf_blocks.quantize(np.full((2, 256), np.nan, np.float32), "Q4_K", "w")
 
 
 # ------------------------------------------------------------------ nf4

@@ -19,7 +19,9 @@ whose blocks stay within a row (int8, GGUF, nf4 with whole blocks a row and a pl
         absmax = absmax_code[absmax_q] * absmax_scale[b // 256] + offset; w = code[q] * absmax[i // block]
   int8  `name.int8` int8 [out, in], `name.int8_scale` float32 [out]: w = q * scale[:, None]
   GGUF  `name.<TYPE>` uint8 [out, in/QK * block_bytes]: the file's blocks, row by row
-        (Q4_0, Q4_1, Q8_0: QK 32; Q4_K, Q5_K, Q6_K: QK 256); `gguf.quants.dequantize`.
+        (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: QK 32; Q4_K, Q5_K, Q6_K: QK 256); `gguf.quants.dequantize`.
+        Q5_0/Q5_1 are what llama.cpp's Q4_K_M/Q5_K_M write for a weight whose rows are not
+        whole 256-value blocks (SmolLM2's hidden 576): most of such a file's projections.
 
 Every op is a default-domain ONNX op onnxruntime and TVM's ONNX frontend both convert
 (Slice, BitShift, BitwiseAnd/Or, Equal, Where, Cast, Gather, Concat, Reshape, Expand, Mul, Add, Sub).
@@ -39,7 +41,7 @@ import onnx_ir as ir
 from lorac.core.errors import LoracError
 
 # (values per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES has them
-GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 KINDS = ("nf4", "int8", *GGUF_BLOCKS)
 NF4_BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes bitsandbytes takes
@@ -51,7 +53,7 @@ I32, F32 = ir.DataType.INT32, ir.DataType.FLOAT
 
 @dataclass(frozen=True)
 class Quant:
-    kind: str             # "nf4" | "int8" | a GGUF type name: "Q4_0","Q4_1","Q8_0","Q4_K","Q5_K","Q6_K"
+    kind: str             # "nf4" | "int8" | a GGUF type name (GGUF_BLOCKS): "Q4_0" ... "Q6_K"
     block: int = 64       # nf4: elements per absmax block (bitsandbytes blocksize)
     double: bool = False  # nf4: absmax 8-bit quantized itself (bnb compress_statistics; nested block 256)
 
@@ -307,6 +309,28 @@ def q4_1(g, b, out, inp):
     return g.reshape(g.op("Add", g.op("Mul", f16(g, b, 0), q), f16(g, b, 2)), out, inp)
 
 
+def _fifth_bits(g, b, at: int):
+    """Q5_0/Q5_1's 32 high bits, the little-endian uint32 at bytes at..at+4 of each block
+    (element e's is bit e: byte e // 8, bit e % 8), as uint8 0/1 [n, 32]."""
+    qh = g.reshape(_cols(g, b, at, at + 4), -1, 4, 1)
+    return g.reshape(_and(g, _shr(g, qh, np.arange(8).reshape(1, 1, 8)), 0x01), -1, 32)
+
+
+def _fives(g, b, at: int):
+    """Q5_0/Q5_1's 5-bit quants (nibbles at at+4.., the high bits at at..at+4) as float [n, 32]."""
+    low = g.reshape(_nibbles(g, _cols(g, b, at + 4, at + 20), (-1, 1, 16)), -1, 32)
+    return _float(g, g.op("BitwiseOr", low, _shl(g, _fifth_bits(g, b, at), 4)))
+
+
+def q5_0(g, b, out, inp):
+    q = g.op("Sub", _fives(g, b, 2), g.const(np.float32(16)))
+    return g.reshape(g.op("Mul", f16(g, b, 0), q), out, inp)
+
+
+def q5_1(g, b, out, inp):
+    return g.reshape(g.op("Add", g.op("Mul", f16(g, b, 0), _fives(g, b, 4)), f16(g, b, 2)), out, inp)
+
+
 def _scale_min(g, b):
     """Q4_K/Q5_K's eight 6-bit scales and mins of each block, from its 12 bytes at 4..16."""
     d, m, md = _cols(g, b, 4, 8), _cols(g, b, 8, 12), _cols(g, b, 12, 16)
@@ -343,4 +367,4 @@ def q6_k(g, b, out, inp):
     return g.reshape(g.op("Mul", d, g.reshape(q, -1, 16, 16)), out, inp)
 
 
-GGUF_EMITTERS = {"Q4_0": q4_0, "Q4_1": q4_1, "Q8_0": q8_0, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
+GGUF_EMITTERS = {"Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q8_0": q8_0, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}

@@ -50,6 +50,14 @@ class PackedData:
                   ((self.train, self.train_rows), (self.eval, self.eval_rows)) if len(rows)]
         return max([1] + [int(c.max()) for c in counts])
 
+    def longest_document(self) -> int:
+        """The longest document one used row holds, as position_ids number it (train and eval;
+        the row's length with plain packing): what CUDA's packed attention plans are sized for."""
+        if self.packing != "isolated":
+            return self.seq
+        return max([1] + [store.longest_document(rows, self.seq) for store, rows in
+                          ((self.train, self.train_rows), (self.eval, self.eval_rows)) if len(rows)])
+
     @property
     def n_train_rows(self):
         return len(self.train_rows)
@@ -65,7 +73,9 @@ class PackedData:
 
     def eval_batches(self, batch):
         """The eval rows in order, in batches of `batch`; the last is padded with rows that
-        count nothing (labels all -100)."""
+        count nothing (labels all -100; with isolated packing the first row's positions, so the
+        batch holds no more documents, nor longer ones, than the data's rows:
+        max_documents, longest_document)."""
         n = len(self.eval_rows)
         for start in range(0, n, batch):
             index = self.eval_rows[start:start + batch]
@@ -73,8 +83,9 @@ class PackedData:
             if len(index) < batch:
                 fill = batch - len(index)
                 filler = {"input_ids": np.full((fill, self.seq), self.pad_id, np.int64),
-                          "labels": np.full((fill, self.seq), IGNORE, np.int64),
-                          "position_ids": np.broadcast_to(np.arange(self.seq, dtype=np.int64), (fill, self.seq))}
+                          "labels": np.full((fill, self.seq), IGNORE, np.int64)}
+                if "position_ids" in b:
+                    filler["position_ids"] = np.repeat(b["position_ids"][:1], fill, axis=0)
                 b = {k: np.concatenate([v, filler[k]]) for k, v in b.items()}
             yield b
 

@@ -133,6 +133,21 @@ class TokenStore:
         inside = np.searchsorted(self.starts, b) - np.searchsorted(self.starts, a, side="right")
         return 1 + inside + ((a < self.n_tokens) & (self.n_tokens < b))
 
+    def longest_document(self, index, seq):
+        """Rows `index` -> the longest document any of them holds as positions() numbers them
+        (a document cut by a row's start or end counts the part inside the row; the last
+        row's padding is one of its own), 0 for no rows."""
+        index = np.asarray(index, np.int64)
+        if index.size == 0:
+            return 0
+        n_rows = self.n_rows(seq)
+        cuts = np.unique(np.concatenate([np.asarray(self.starts, np.int64), np.arange(n_rows + 1, dtype=np.int64) * seq,
+                                         [self.n_tokens]]))
+        lengths, row = np.diff(cuts), cuts[:-1] // seq
+        longest = np.zeros(n_rows, np.int64)
+        np.maximum.at(longest, row, lengths)
+        return int(longest[index].max())
+
     def rows(self, index, seq, pad_id):
         """Rows `index` (array of row numbers) -> (input_ids, labels), int64 [len(index), seq]."""
         ids = np.full((len(index), seq), pad_id, dtype=np.int64)

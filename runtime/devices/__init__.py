@@ -37,10 +37,10 @@ optional (a module without one gets the default in OPTIONAL below):
     ISOLATED_PACKING_FAST
                    isolated packing runs at plain packing's cost, so `--packing auto`
                    picks it where the model family has it
-    reserve_documents(per_row)
-                   the most documents a row of the run's data holds (--packing
-                   isolated), told before any artifact loads (cuda: what its packed
-                   attention's plans are sized for)
+    reserve_documents(per_row, longest)
+                   the most documents a row of the run's data holds and its longest
+                   document (--packing isolated), told before any artifact loads (cuda:
+                   what its packed attention's plans are sized for)
     feeder(manifest) -> callable(inputs) | None
                    a function the artifact's Step calls with each call's inputs before
                    it runs (cuda: the packed attention's documents from position_ids)
@@ -50,6 +50,9 @@ optional (a module without one gets the default in OPTIONAL below):
     KEEPS_QUANTIZED
                    --quantized-base auto keeps a quantized base's blocks here (else
                    dequantized on load)
+    KEEPS_QUANTIZED_ABOVE
+                   where KEEPS_QUANTIZED is False: auto keeps the blocks when the base
+                   held dense would take more than this share of memory_free() (None: never)
     OFFLOADS       --checkpointing offload: checkpointed inputs may wait in host memory
     DEVICE_PER_WORKER
                    data-parallel workers on one host take one device each (select(i))
@@ -84,6 +87,7 @@ OPTIONAL = {
     "gemm_info": _nothing, "memory_free": _nothing, "memory_info": _nothing, "MEMORY_OF": "the device",
     "AUTO_CHECKPOINTING": False, "LOSS_CHUNK_BYTES": None, "FUSED_ATTENTION": False,
     "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
+    "KEEPS_QUANTIZED_ABOVE": None,
     "OFFLOADS": False,
     "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host", "TRAINS_ON": None,
     "check_ort": _nothing, "reserve_documents": _nothing, "feeder": _nothing,

@@ -20,6 +20,20 @@ from ..errors import LoracError
 BATCH_INPUTS = ("input_ids", "labels", "position_ids")  # what a batch feeds (position_ids: isolated packing)
 
 
+def release_host_memory() -> None:
+    """Hand the heap memory freed so far back to the OS (glibc's malloc_trim; elsewhere nothing).
+    Loading a base allocates and frees many arrays of 1-4 MB (dequantized weights, their
+    temporaries); glibc keeps such freed blocks in its heap, so the weights' host copies
+    stayed resident after the upload: 330 MB of a dense SmolLM2 CPU run (docs/BENCHMARKS.md,
+    QLoRA on the CPU)."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def graph_key(kind: str, *parts) -> str:
     """Identity of a graph from what it is emitted from: `kind`, every field of each spec in
     `parts` (lorac.core.keys.canonical: fields out of a dataclass's repr count too), lorac's

@@ -28,7 +28,7 @@ from lorac.core.dtypes import as_dtype
 
 from .. import devices
 from .artifact import load_artifact
-from .graphs import Graphs, compiled, graph_key
+from .graphs import Graphs, compiled, graph_key, release_host_memory
 from ..errors import LoracError
 
 
@@ -45,7 +45,9 @@ class Engine(Graphs):
         # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
         self.cuda_graph = cuda_graph and getattr(device, "CAPTURES_GRAPHS", False)
         self.tune = tune  # MetaSchedule trials for the training step's kernels (0: default schedules)
-        self._host_weights = weights  # uploaded by the first artifact loaded, then dropped
+        # uploaded by the first artifact loaded, then dropped: a dict of its own, emptied as each
+        # tensor is copied, so a caller that let go of its arrays sees each freed as it goes
+        self._host_weights = None if weights is None else dict(weights)
         self._weights = None
         self._arts: dict = {}
         self._p = None  # set_state: {bucket key: flat device tensor}, also _m, _v
@@ -72,6 +74,7 @@ class Engine(Graphs):
             if kind != "adamw" and self._weights is None:
                 self._weights = self._upload(step, self._host_weights)
                 self._host_weights = None  # the device holds them now
+                release_host_memory()
             elif kind != "adamw" and step.bound_inputs:
                 # its CUDA graphs read its own input buffers: move the weights there once; the
                 # other artifacts take any device tensor, so all share that one copy
@@ -80,10 +83,12 @@ class Engine(Graphs):
 
     # -- device residency ---------------------------------------------------------------
     def _upload(self, step, tensors: dict) -> dict:
-        """Device copies of the tensors `step` takes (dtype converted per its manifest)."""
+        """Device copies of the tensors `step` takes (dtype converted per its manifest), each
+        taken out of `tensors` as it is copied: the host holds one copy of the weights at a
+        time, not two (a CPU "device" copy is host memory too)."""
         specs = {i["name"]: i for i in step.inputs}
         self._missing_weights(specs, tensors)
-        return {n: step.upload(specs[n], a) for n, a in tensors.items() if n in specs}
+        return {n: step.upload(specs[n], tensors.pop(n)) for n in [n for n in tensors if n in specs]}
 
     # -- LoRA + optimizer state: flat per-bucket device buffers (see graphs/optimizer.Bucket) --
     def set_state(self, lora: dict, m: dict, v: dict) -> None:

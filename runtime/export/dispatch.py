@@ -29,8 +29,8 @@ def cmd_export(args) -> int:
     saved = SavedRun.of(ck)
     alpha, rslora, config = saved.alpha, saved.rslora, saved.model_config
     source = resolve_model(args.model or saved.model)
-    if args.dtype == "q8_0" and args.format != "gguf-merged":
-        raise LoracError("--dtype q8_0 is for --format gguf-merged")
+    if args.dtype in ("q8_0", "base") and args.format != "gguf-merged":
+        raise LoracError(f"--dtype {args.dtype} is for --format gguf-merged")
     check_destination(args.out, [source.path, ck.path, args.checkpoint])  # never over what it reads
     if args.format == "peft":
         path = export_peft(args.out, ck.lora, alpha=alpha, use_rslora=rslora, base_model_name_or_path=source.name,
@@ -53,8 +53,9 @@ def cmd_export(args) -> int:
                                      tokenizer=tok, dtype=args.dtype or float_dtype(source.path))
     elif args.format == "gguf-merged":
         from .gguf_merged import export_gguf_merged
-        qtype = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "q8_0": "Q8_0"}[args.dtype or "float16"]
-        path = export_gguf_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, qtype=qtype)
+        qtype = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "q8_0": "Q8_0", "base": "BASE"}[args.dtype or "float16"]
+        path = export_gguf_merged(args.out, source.path, ck.lora, alpha=alpha, use_rslora=rslora, qtype=qtype,
+                                  warn=lambda m: print(m, file=sys.stderr))
     else:
         path = export_gguf(args.out, ck.lora, alpha=alpha, model_config=config, use_rslora=rslora)
     respect_umask(path)

@@ -4,8 +4,13 @@ into each adapted matrix, one file that llama.cpp and Ollama run without an adap
 Every metadata key of the base is copied (architecture, hyperparameters, vocabulary, chat
 template), every tensor without LoRA is copied byte for byte in its own type, and each
 adapted matrix is written as W + s·B·A in `qtype` (F16 by default; BF16, F32 or Q8_0 on
-request). W is the base tensor dequantized; the delta is not re-quantized into the base's
-4- or 5-bit type, whose steps are coarser than a LoRA update. For llama-family files the
+request). W is the base tensor dequantized; by default the sum is not re-quantized into the
+base's 4- or 5-bit type, whose steps are coarser than a LoRA update. qtype "BASE" does that on
+request (the file keeps the base's size, Q4_K_M stays Q4_K_M): each adapted matrix in its base
+tensor's own type, quantized as llama.cpp does (runtime/model/quant/gguf_blocks.quantize:
+gguf.quants for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, llama.cpp's reference quantizers for Q4_K/Q5_K/
+Q6_K); a base type lorac cannot quantize to (Q2_K, Q3_K, the IQ and TQ types) is written F16
+and said so. For llama-family files the
 rows of B follow llama.cpp's Q/K order, as in the GGUF adapter export (docs/EXPORT.md).
 The base must be a GGUF file: an HF base goes through --format merged and then llama.cpp's
 convert_hf_to_gguf.py.
@@ -18,7 +23,8 @@ import numpy as np
 
 from ..errors import LoracError
 
-QTYPES = ("F16", "BF16", "F32", "Q8_0")
+QTYPES = ("F16", "BF16", "F32", "Q8_0", "BASE")  # BASE: each adapted matrix in its base tensor's type
+FLOATS = ("F32", "F16", "BF16")
 
 
 def _copy_metadata(reader, writer) -> None:
@@ -42,26 +48,50 @@ def _merged_matrix(t, a, b, scale, permute_heads):
     return w + scale * (np.asarray(b, np.float32) @ np.asarray(a, np.float32))
 
 
-def _write(gguf, path, arch, reader, by_tensor, scale, permute, qtype) -> None:
+def _type_of(gguf, t, qtype: str, fallback: list):
+    """The type adapted tensor t is written in: qtype, or with "BASE" its own where lorac can
+    quantize to it (else F16, noted in `fallback`)."""
+    from lorac.graphs.ops.quant import GGUF_BLOCKS
+    if qtype != "BASE":
+        return gguf.GGMLQuantizationType[qtype]
+    if t.tensor_type.name in GGUF_BLOCKS or t.tensor_type.name in FLOATS:
+        return t.tensor_type
+    fallback.append(f"{t.name} ({t.tensor_type.name})")
+    return gguf.GGMLQuantizationType.F16
+
+
+def _encode(gguf, w: np.ndarray, kind, name: str) -> np.ndarray:
+    from lorac.graphs.ops.quant import GGUF_BLOCKS
+    from ..model.quant.gguf_blocks import quantize
+    if kind.name == "F32":
+        return w.astype(np.float32)
+    if kind.name in GGUF_BLOCKS:
+        return quantize(w, kind.name, name)
+    return gguf.quants.quantize(w, kind)
+
+
+def _write(gguf, path, arch, reader, by_tensor, scale, permute, qtype) -> list:
+    """Write the merged file; the adapted tensors written F16 for want of their base type's quantizer."""
     writer = gguf.GGUFWriter(str(path), arch)
     _copy_metadata(reader, writer)
-    target_type = gguf.GGMLQuantizationType[qtype]
+    fallback = []
     for t in reader.tensors:
         if t.name not in by_tensor:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
             continue
         target, a, b = by_tensor[t.name]
-        w = _merged_matrix(t, a, b, scale, permute.get(target))
-        data = w.astype(np.float32) if qtype == "F32" else gguf.quants.quantize(w, target_type)
-        writer.add_tensor(t.name, data, raw_dtype=target_type)
+        w = _merged_matrix(t, a, b, scale, permute.get(target)).astype(np.float32)
+        kind = _type_of(gguf, t, qtype, fallback)
+        writer.add_tensor(t.name, _encode(gguf, w, kind, t.name), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return fallback
 
 
 def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rslora: bool = False,
-                       qtype: str = "F16") -> Path:
+                       qtype: str = "F16", warn=None) -> Path:
     import gguf
 
     from . import lora_pairs, lora_scale
@@ -87,5 +117,8 @@ def export_gguf_merged(out_path, base_gguf, lora: dict, *, alpha: float, use_rsl
     from .output import staged
     out = Path(out_path)
     with staged(out, "file", fmt="gguf") as tmp:  # whole or not at all, never over a foreign file
-        _write(gguf, tmp, arch, reader, by_tensor, scale, permute, qtype)
+        fallback = _write(gguf, tmp, arch, reader, by_tensor, scale, permute, qtype)
+    if fallback and warn:
+        more = f" and {len(fallback) - 3} more" if len(fallback) > 3 else ""
+        warn(f"written F16, for lorac cannot quantize to their base types: {', '.join(fallback[:3])}{more}")
     return out

@@ -142,8 +142,8 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
             source += f", the least of {dp.size} workers"
         dtype = cfg.dtype or device.DEFAULT_DTYPE
         choice = step_memory.choose(spec, train, frozen[0], dtype, budget, source, frozen[1], offload=device.OFFLOADS)
-        if choice.need is not None and choice.need > budget and cfg.quantize_embeddings == "auto" and \
-                cfg.keeps_quantized() and train.quant:
+        if choice.need is not None and choice.need > budget and cfg.quantize_embeddings == "auto" and train.quant:
+            # a QLoRA run (the loaded base keeps quantized layers) that no setting fits with dense tables
             cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, dtype, budget, source, device, log)
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
     off = off and ckpt

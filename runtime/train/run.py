@@ -45,6 +45,28 @@ def _check_tables(cfg: TrainConfig, source) -> None:
         embedding_quant(spec, cfg.quantize_embeddings)
 
 
+def _keeps(cfg: TrainConfig, source, log) -> bool:
+    """cfg.keeps_quantized(), told the base's dense size (from its headers) where auto asks for
+    it, and saying so when that keeps a base the device would otherwise dequantize."""
+    from ..model.weights import tensor_infos
+    asked = []
+
+    def dense_bytes() -> int:
+        """float32 bytes (the CPU's dtype: the only device that asks) of every tensor, from the
+        headers: a GGUF's as its element counts, a bitsandbytes folder's uint8 4-bit weights two
+        values a byte."""
+        infos = tensor_infos(source.path)
+        asked.append(sum(4 * (2 * i.size if i.dtype == np.uint8 and n.endswith(".weight") else i.size)
+                         for n, i in infos.items()))
+        return asked[-1]
+
+    keep = cfg.keeps_quantized(dense_bytes)
+    if keep and asked:
+        log(f"base: kept quantized (--quantized-base auto): held dense its weights would take {asked[0] / 1e9:.1f} GB, "
+            f"more than half of this machine's free memory")
+    return keep
+
+
 def kaiming_uniform_a(rng, shape) -> np.ndarray:
     """PEFT's lora_A init, kaiming_uniform_(a=sqrt(5)): bound = sqrt(6/((1+a^2) fan_in)) = 1/sqrt(fan_in)."""
     bound = 1.0 / math.sqrt(shape[1])
@@ -71,7 +93,7 @@ class Run:
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
         _check_tables(cfg, self.source)
-        self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, cfg.keeps_quantized())
+        self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, _keeps(cfg, self.source, self.log))
         quant = _quantized(weights, self.log)
         from .memory import frozen_sizes
         self.plan, self.adapter = _plan(cfg, self.model_config, frozen_sizes(weights), quant, dp, self.log)
@@ -85,7 +107,7 @@ class Run:
         for line in data_lines(data_path, self.data.describe()):
             self.log(line)
         if cfg.packing == "isolated":  # before any artifact loads: CUDA sizes its packed attention by it
-            self.plan.device.reserve_documents(self.data.max_documents())
+            self.plan.device.reserve_documents(self.data.max_documents(), self.data.longest_document())
         if cfg.eval_batches and not len(self.data.eval_rows):  # no eval set: no eval loss (never a 0.0)
             self.log("eval: none (--eval-fraction 0 and no --eval-data): no eval loss is computed")
             cfg = self.cfg = replace(cfg, eval_batches=0)
@@ -264,7 +286,7 @@ def precompile(cfg: TrainConfig, log=None) -> dict:
     source = resolve_model(cfg.model)
     log(f"model: {source.describe()}")
     config = source.config()
-    if cfg.quantize or (cfg.keeps_quantized() and holds_quantized(source.path, config)):
+    if cfg.quantize or (holds_quantized(source.path, config) and _keeps(cfg, source, log)):
         config, weights, _ = source.load(cfg.quantize, True)
         frozen, quant = frozen_sizes(weights), _quantized(weights, log)
         del weights

@@ -11,11 +11,17 @@ q, do [B, S, H, Dh] and k, v [B, S, K, Dh] in the graph's token-major layout, wh
 reads through strides (no transposes); GQA is native (k, v keep their K heads); lse is
 cuDNN's "stats" in fp32: [B, H, S, 1], and for packed rows (--packing isolated: pos [B, S]
 the position ids) token-major [B, S, H, 1], as cuDNN's ragged layout writes it (only the
-backward unit reads it). The packed calls run each document as a sequence of cuDNN's ragged
-layout; their lengths and offsets come from position_ids at run time (the runtime fills
-them before each call of the artifact), so `pos` is passed along, not read. The softmax
-scale (a constant) and the shapes go to the manifest's `unit_calls`, one entry per distinct
-call. The runtime (lorac.runtime.devices.cuda.attention) registers the functions: cuDNN
+backward unit reads it). How the packed calls mask documents (`PACKED_MASK`, the manifest
+call's "mask"; runtime/devices/cuda/sdpa.py builds the graphs):
+- "ragged": each document a sequence of cuDNN's ragged layout; their lengths and offsets
+  come from position_ids at run time (the runtime fills them before each call of the
+  artifact), so `pos` is passed along, not read;
+- "bias": plain rows plus an additive bias [B, 1, S, S] bf16, 0 where key j >= i - pos[b, i]
+  and -1e30 before (causal masking hides the keys after i), computed here once per step
+  from the position ids by one elementwise kernel and passed in `pos`'s place; lse [B, H, S, 1].
+  Used while the bias takes at most BIAS_MAX_BYTES, ragged past it.
+The softmax scale (a constant), the shapes and the mask go to the manifest's `unit_calls`,
+one entry per distinct call. The runtime (lorac.runtime.devices.cuda.attention) registers the functions: cuDNN
 plans built once per shape, executed on TVM's stream, so CUDA graphs capture them like the
 GEMMs. Soft-capped and windowed variants stay inlined (compiler/units/__init__.py).
 
@@ -33,6 +39,27 @@ from tvm import relax
 FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
 PACKED_FWD, PACKED_BWD = "lorac.attention_packed_fwd", "lorac.attention_packed_bwd"
 _BF16 = "bfloat16"
+# How packed documents are masked, chosen from bench/cudnn_isolated_check.py and
+# bench/h200_packed_step.py on the H200 (docs/BENCHMARKS.md, "Isolated packing on cuDNN")
+PACKED_MASK = "ragged"
+BIAS_MAX_BYTES = 256 << 20  # "bias" while the [B, 1, S, S] bf16 bias fits this (8 x 4096 tokens); ragged past it
+
+
+def packed_mask(B: int, S: int) -> str:
+    """How the packed calls of [B, S] rows mask documents: "ragged" or "bias" (module doc)."""
+    return "bias" if PACKED_MASK == "bias" and 2 * B * S * S <= BIAS_MAX_BYTES else "ragged"
+
+
+def document_bias(bb, pos, B: int, S: int):
+    """The bias [B, 1, S, S] bf16 of packed rows from their position ids pos [B, S]: 0 where
+    key j >= i - pos[b, i], MASKED (graphs/ops/attention.py) before; int32 index math."""
+    from lorac.graphs.ops.attention import MASKED
+    idx = relax.op.arange(0, S, 1, "int32")
+    start = bb.emit(relax.op.subtract(relax.op.reshape(idx, [1, 1, S, 1]),
+                                      relax.op.reshape(relax.op.astype(pos, "int32"), [B, 1, S, 1])))
+    seen = bb.emit(relax.op.greater_equal(relax.op.reshape(idx, [1, 1, 1, S]), start))
+    wide = bb.emit(relax.op.where(seen, relax.const(0.0, "float32"), relax.const(MASKED, "float32")))
+    return bb.emit(relax.op.astype(wide, _BF16))
 
 
 class _Narrowing:
@@ -78,12 +105,24 @@ def converters() -> dict:
 
     cache = _Narrowing()
     calls: list = []
+    biases: dict = {}  # position ids var -> its documents' bias (one per step, shared by every layer)
 
-    def record(fn, q, k, scale):
+    def masking(bb, pos, q):
+        """(how this packed call masks documents, what it takes in pos's place)."""
+        B, S = _shape(q)[:2]
+        mask = packed_mask(B, S)
+        if mask == "ragged":
+            return mask, pos
+        if pos not in biases:
+            biases[pos] = document_bias(bb, pos, B, S)
+        return mask, biases[pos]
+
+    def record(fn, q, k, scale, mask=None):
         """Note the call; the scale travels in the manifest, not as an argument (a float
         argument costs a host-side function per call in TVM's VM)."""
         B, S, H, Dh = _shape(q)
-        call = {"function": fn, "B": B, "S": S, "H": H, "K": _shape(k)[2], "Dh": Dh, "scale": scale}
+        call = {"function": fn, "B": B, "S": S, "H": H, "K": _shape(k)[2], "Dh": Dh, "scale": scale,
+                **({"mask": mask} if mask else {})}
         same_shape = [c for c in calls if {**c, "scale": scale} == call]
         if same_shape and same_shape[0]["scale"] != scale:
             raise ValueError(f"attention calls of one shape with two softmax scales: {call}")
@@ -95,10 +134,11 @@ def converters() -> dict:
         def convert(bb, inputs, _attrs, _params):
             q, k, v = (cache(bb, x) for x in inputs[:3])
             B, S, H, Dh = _shape(q)
-            record(fn, q, k, _scale(inputs[-1]))
-            lse = [B, S, H, 1] if packed else [B, H, S, 1]
+            mask, xm = masking(bb, inputs[3], q) if packed else (None, None)
+            record(fn, q, k, _scale(inputs[-1]), mask)
+            lse = [B, S, H, 1] if mask == "ragged" else [B, H, S, 1]
             out = bb.emit(relax.call_dps_packed(
-                fn, [q, k, v] + ([inputs[3]] if packed else []),
+                fn, [q, k, v] + ([xm] if packed else []),
                 [relax.TensorType([B, S, H, Dh], _BF16), relax.TensorType(lse, "float32")]))
             o = bb.emit(relax.TupleGetItem(out, 0))
             return relax.Tuple([cache.widen(bb, o), bb.emit(relax.TupleGetItem(out, 1))])
@@ -108,9 +148,10 @@ def converters() -> dict:
         """A backward converter: inputs q, k, v, o, do, lse (, pos), scale."""
         def convert(bb, inputs, _attrs, _params):
             q, k, v, o, do = (cache(bb, x) for x in inputs[:5])
-            record(fn, q, k, _scale(inputs[-1]))
+            mask, xm = masking(bb, inputs[6], q) if packed else (None, None)
+            record(fn, q, k, _scale(inputs[-1]), mask)
             out = bb.emit(relax.call_dps_packed(
-                fn, [q, k, v, o, do, inputs[5]] + ([inputs[6]] if packed else []),
+                fn, [q, k, v, o, do, inputs[5]] + ([xm] if packed else []),
                 [relax.TensorType(_shape(x), _BF16) for x in (q, k, v)]))
             return relax.Tuple([bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(out, i)), "float32"))
                                 for i in range(3)])

@@ -19,6 +19,11 @@ ORT_PROVIDERS = ("CPUExecutionProvider",)
 ORT_MEMORY = "cpu"
 MEMORY_OF = "this machine"
 TUNED_TARGETS = ("cpu",)  # aarch64 is cross-compiled: nothing here can measure its kernels
+# --quantized-base auto: a quantized base is dequantized on load, the faster step here (the
+# SmolLM2 Q4_K_M step kept took 1.1-1.75x the dense one's wall time on two threads for 17 %
+# less peak memory: docs/BENCHMARKS.md, QLoRA on the CPU), unless the dense weights alone would take
+# more than half of the free memory: then only the blocks fit with the step's activations
+KEEPS_QUANTIZED_ABOVE = 0.5
 # AUTO_CHECKPOINTING, LOSS_CHUNK_BYTES, FUSED_ATTENTION: the defaults (off, one chunk, none):
 # memory is plentiful and the attention is TVM's, so isolated packing costs what plain does
 

@@ -63,11 +63,12 @@ def feeder(manifest):
     return attention_cuda.feeder(manifest)
 
 
-def reserve_documents(per_row: int) -> None:
-    """The most documents a row of the run's data holds: the packed attention's cuDNN plans
-    are built for that many sequences a row (attention.py)."""
+def reserve_documents(per_row: int, longest: int | None = None) -> None:
+    """The most documents a row of the run's data holds and its longest document: the packed
+    attention's cuDNN plans are built for that many sequences a row, of at most that many
+    tokens (attention.py)."""
     from . import attention as attention_cuda
-    attention_cuda.reserve_documents(per_row)
+    attention_cuda.reserve_documents(per_row, longest)
 
 
 def select(index: int) -> None:

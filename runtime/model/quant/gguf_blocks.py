@@ -49,7 +49,7 @@ def blocks_of(raw, kind: str, out: int, inp: int, name: str, rows=None) -> np.nd
 
 
 # byte offsets of each type's fp16 scales (d, and dmin or m) in its block
-SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def check_scales(blocks: np.ndarray, kind: str, name: str) -> None:
@@ -75,15 +75,16 @@ def dequantize(blocks, kind: str, inp: int | None = None) -> np.ndarray:
 
 
 def quantize(w, kind: str, name: str = "weight") -> np.ndarray:
-    """A dense [out, in] weight -> uint8 blocks, by gguf.quants.quantize (Q4_0, Q4_1, Q8_0;
-    the gguf package has no quantizer for the K-quants)."""
+    """A dense [out, in] weight -> uint8 blocks: gguf.quants.quantize (Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0), llama.cpp's reference quantizers in numpy for the K-quants (kquants.py)."""
     import gguf
+    from . import kquants
     w = np.asarray(w)
     qk = GGUF_BLOCKS[kind][0]
     if w.ndim != 2 or w.shape[1] % qk:
         raise LoracError(f"tensor {name}: {kind} needs a 2-D weight with rows of whole {qk}-value blocks, not {w.shape}")
-    try:
-        return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind])
-    except NotImplementedError:
-        raise LoracError(f"tensor {name}: the gguf package cannot quantize to {kind} "
-                         "(it quantizes Q4_0, Q4_1 and Q8_0; use a GGUF file quantized by llama.cpp)") from None
+    if not np.isfinite(w).all():
+        raise LoracError(f"tensor {name}: has non-finite values; cannot quantize it to {kind}")
+    if kind in kquants.QUANTIZERS:
+        return kquants.quantize(w, kind)
+    return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind])
