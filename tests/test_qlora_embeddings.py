@@ -138,9 +138,10 @@ def test_engine_step_eval_and_logits_equal_the_dense_engine(tmp_path, backend, t
 
 
 def test_lorac_train_with_nf4_tables_then_eval_generate_and_merged_export(tmp_path):
-    """`lorac train --quantize nf4 --quantize-embeddings nf4` on the CPU: the run says what the tables
-    take, learns (its eval graph reads the tables too), records the setting; `lorac eval` and `generate` of
-    the checkpoint run (over the dense base, as for any quantized run: onnxruntime here, no compile)
+    """`lorac train --quantize-embeddings nf4` on the CPU (dense layers here; the tables beside
+    quantized layers: the graph and engine tests above): the run says what the tables take, learns
+    (its eval graph reads the tables too), records the setting; `lorac eval` and `generate` of the
+    checkpoint run (over the dense base, as for any quantized run: onnxruntime here, no compile)
     and the merged export writes the base file's own tables."""
     from safetensors.numpy import load_file
 
@@ -148,8 +149,8 @@ def test_lorac_train_with_nf4_tables_then_eval_generate_and_merged_export(tmp_pa
     model = make_model_dir(tmp_path / "m", hidden_size=64, intermediate_size=128, head_dim=16, tie_word_embeddings=False)
     corpus = make_corpus(tmp_path / "corpus.txt", 120)
     out, cache = tmp_path / "run", str(tmp_path / "cache")
-    r = run_lorac(["train", "--model", str(model), "--data", str(corpus), "--quantize", "nf4", "--quantize-embeddings",
-                   "nf4", "--steps", "8", "--batch", "2", "--seq", "32", "--out", str(out), "--eval-every", "8",
+    r = run_lorac(["train", "--model", str(model), "--data", str(corpus), "--quantize-embeddings", "nf4", "--steps", "8",
+                   "--batch", "2", "--seq", "32", "--out", str(out), "--eval-every", "8",
                    "--sample-tokens", "0", "--cache-dir", cache])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "embeddings: model.embed_tokens.weight and lm_head.weight held as nf4:" in r.stderr
