@@ -50,8 +50,11 @@ QWEN3_40M = dict(model_type="qwen3", vocab_size=32000, hidden_size=512, intermed
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
 QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1e6)
+QWEN3_TINY = dict(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
 CASES = {"40m-8x1024": (QWEN3_40M, "qwen3-40m", 8, 1024), "q06-8x1024": (QWEN3_06B, "qwen3-0.6b", 8, 1024),
-         "40m-4x256": (QWEN3_40M, "qwen3-40m", 4, 256)}
+         "40m-4x256": (QWEN3_40M, "qwen3-40m", 4, 256),
+         "tiny-2x32": (QWEN3_TINY, None, 2, 32), "tiny-1x64": (QWEN3_TINY, None, 1, 64)}  # the benches' tests
 
 
 def lorac(*args: str, stand_in: bool = False, **kw) -> subprocess.CompletedProcess:
@@ -89,7 +92,8 @@ GL_DEBS = ("libvulkan1", "libglvnd0", "libglx0", "libegl1", "libopengl0", "libgl
 
 
 # -- here --------------------------------------------------------------------------------
-def prepare(d: Path) -> None:
+def prepare_runtime(d: Path) -> None:
+    """DIR/whl, DIR/debs, DIR/vulkan: what runs onnxruntime's WebGPU plugin there (no model)."""
     d.mkdir(parents=True, exist_ok=True)
     whl = d / "whl"
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
@@ -106,6 +110,11 @@ def prepare(d: Path) -> None:
     for deb in sorted(debs.glob("*.deb")):
         subprocess.run(["dpkg", "-x", str(deb), str(d / "vulkan")], check=True)
     shutil.rmtree(d / "vulkan" / "usr" / "share", ignore_errors=True)
+
+
+def prepare(d: Path) -> None:
+    prepare_runtime(d)
+    whl = d / "whl"
     sys.path.insert(0, str(REPO / "tests"))
     from tiny_model import make_workdir
     work = make_workdir(d / "work")
@@ -252,14 +261,20 @@ def gpu_used_gb() -> float | None:
         return None
 
 
-def case(name: str, provider: str, steps: int, profile: str | None, checkpointing: bool) -> dict:
-    """One case's full steps in this process on onnxruntime (`provider`: webgpu or cpu)."""
+def setup_case(name: str, provider: str = "webgpu", profile: str | None = None, checkpointing: bool = False,
+               rewrite=None, adamw: bool = True):
+    """A case's OrtEngine on onnxruntime (`provider`: webgpu or cpu) with random frozen weights, the
+    LoRA and zero moments set, and four random batches -> SimpleNamespace(eng, spec, optim, batches,
+    B, S, chunk, setup_s, gpu_before). rewrite: applied to the training graph as it is emitted;
+    adamw: the optimizer's session made too."""
     sys.modules["torch"] = None
+    from types import SimpleNamespace
+
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.ops.loss import auto_chunk
     from lorac.runtime.engine.ort import OrtEngine
-    from lorac.runtime.train.optim import LoraPlusConfig, group_lrs
+    from lorac.runtime.train.optim import LoraPlusConfig
     from lorac.runtime.train.run import init_lora
 
     cfg, _, B, S = CASES[name]
@@ -273,6 +288,10 @@ def case(name: str, provider: str, steps: int, profile: str | None, checkpointin
     target = "webgpu" if provider == "webgpu" else "cpu"
     eng = OrtEngine(spec, train, {}, target, optim_cfg=optim, log=lambda m: print(m, file=sys.stderr, flush=True),
                     profile=profile)
+    if rewrite is not None:
+        recipe = eng._recipe
+        eng._recipe = lambda kind: ((lambda: rewrite(recipe(kind)[0]())), *recipe(kind)[1:]) if kind == "train" \
+            else recipe(kind)
     s = eng.compile("train")  # its inputs name the frozen weights: random ones, tiled from one block
     block = (0.02 * np.random.default_rng(0).standard_normal(1 << 20)).astype(np.float32)
     weights = {}
@@ -282,36 +301,53 @@ def case(name: str, provider: str, steps: int, profile: str | None, checkpointin
         n = int(np.prod(i.shape))
         weights[i.name] = (np.ones(n, np.float32) if "norm" in i.name else np.resize(block, n)).reshape(i.shape)
     eng._host_weights = weights  # what the engine would have been given (uploaded at the first step)
-    eng.compile("adamw")
+    if adamw:
+        eng.compile("adamw")
     zeros = {n: np.zeros(sh, np.float32) for n, sh in eng.shapes.items()}
     eng.set_state(init_lora(eng.shapes, np.random.default_rng(1)), zeros, dict(zeros))
-    setup_s = time.perf_counter() - t0
     batches = [np.random.default_rng(2 + i).integers(0, spec.vocab, (B, S)).astype(np.int64) for i in range(4)]
+    return SimpleNamespace(eng=eng, spec=spec, optim=optim, batches=batches, B=B, S=S, chunk=chunk,
+                           setup_s=time.perf_counter() - t0, gpu_before=base)
 
-    def full_step(t: int) -> float:  # what `lorac train` runs each step
-        out = eng.step({"input_ids": batches[t % 4], "labels": batches[t % 4]}, eng.lora, read_loss=False)
-        loss = out.pop("loss")
-        eng.update(out, *group_lrs(t, optim), t)
-        return float(loss.numpy())
 
+def full_step(c, t: int, keep: dict | None = None) -> float:
+    """What `lorac train` runs each step (training graph, LoRA+ AdamW, the loss read back) -> loss;
+    keep: gets the step's flat LoRA gradients (host copies)."""
+    from lorac.runtime.train.optim import group_lrs
+    out = c.eng.step({"input_ids": c.batches[t % 4], "labels": c.batches[t % 4]}, c.eng.lora, read_loss=False)
+    loss = out.pop("loss")
+    if keep is not None:
+        keep.update(c.eng.host(out))
+    c.eng.update(out, *group_lrs(t, c.optim), t)
+    return float(loss.numpy())
+
+
+def case(name: str, provider: str, steps: int, profile: str | None, checkpointing: bool) -> dict:
+    """One case's full steps in this process on onnxruntime (`provider`: webgpu or cpu)."""
+    c = setup_case(name, provider, profile, checkpointing)
+    eng = c.eng
     times, losses = [], []
     for t in range(1, steps + 4):
         t1 = time.perf_counter()
-        losses.append(round(full_step(t), 5))
+        losses.append(round(full_step(c, t), 5))
         times.append(time.perf_counter() - t1)
     step_s = float(np.median(times[3:])) if len(times) > 3 else float(np.median(times))
-    rec = dict(case=name, provider=provider, dtype="float32", B=B, S=S, loss_chunk=chunk, checkpointing=checkpointing,
-               step_ms=round(step_s * 1e3, 2), tok_s=round(B * S / step_s), first_step_s=round(times[0], 2),
-               setup_s=round(setup_s, 1), losses=losses[:3] + losses[-2:], gpu_used_gb=gpu_used_gb(),
-               gpu_used_before_gb=base,
-               placement={k: {ep: sum(c.values()) for ep, c in v.items()} for k, v in eng.placement.items()},
-               off_main={k: sorted(set().union(*[set(c) for ep, c in v.items() if ep != eng.providers[0]]))
-                         for k, v in eng.placement.items()})
+    rec = dict(case=name, provider=provider, dtype="float32", B=c.B, S=c.S, loss_chunk=c.chunk,
+               checkpointing=checkpointing, step_ms=round(step_s * 1e3, 2), tok_s=round(c.B * c.S / step_s),
+               first_step_s=round(times[0], 2), setup_s=round(c.setup_s, 1), losses=losses[:3] + losses[-2:],
+               gpu_used_gb=gpu_used_gb(), gpu_used_before_gb=c.gpu_before, **placement(eng))
     if eng.adapter:
         rec["adapter"] = eng.adapter
     if profile:
         rec["profile"] = top_ops(eng.end_profiling())
     return rec
+
+
+def placement(eng) -> dict:
+    """{placement: {graph: {provider: nodes}}, off_main: {graph: op types not on the first provider}}."""
+    return dict(placement={k: {ep: sum(c.values()) for ep, c in v.items()} for k, v in eng.placement.items()},
+                off_main={k: sorted(set().union(*[set(c) for ep, c in v.items() if ep != eng.providers[0]]))
+                          for k, v in eng.placement.items()})
 
 
 def top_ops(files: list[str], n: int = 15) -> dict:

@@ -11,3 +11,14 @@ CACHE_DIR = ".lorac-cache"
 
 # PEFT's names of the two LoRA matrices, as they appear in every tensor name.
 LORA_A, LORA_B = "lora_A", "lora_B"
+
+# Isolated packing on CUDA masks documents with an additive bias [B, 1, S, S] bf16 while it
+# takes at most this many bytes (8 x 4096 tokens), and with cuDNN's ragged layout past it
+# (compiler/targets/cuda/attention.py; the memory estimate counts the bias: runtime/train/memory.py).
+PACKED_BIAS_MAX_BYTES = 256 << 20
+
+
+def packed_bias_bytes(batch: int, seq: int) -> int:
+    """Bytes of the document bias of [batch, seq] packed rows on CUDA, 0 where the ragged layout is used."""
+    n = 2 * batch * seq * seq
+    return n if n <= PACKED_BIAS_MAX_BYTES else 0

@@ -127,6 +127,39 @@ def test_target_webgpu_is_backend_ort_and_the_reverse(monkeypatch):
     assert d.target == "cpu"
 
 
+def test_provider_options_are_checked_against_the_plugins(monkeypatch):
+    """LORAC_ORT_EP_OPTIONS reaches the plugin over DEFAULTS; a key or value the plugin does not
+    read, and graph capture (lorac's step rebinds its buffers), are one line each."""
+    monkeypatch.setattr(ort_webgpu, "DEFAULTS", {"validationMode": "disabled", "maxNumPendingDispatches": "64"})
+    monkeypatch.setenv("LORAC_ORT_EP_OPTIONS", " validationMode = basic ; storageBufferCacheMode=simple;")
+    assert ort_webgpu.options() == {"validationMode": "basic", "maxNumPendingDispatches": "64",
+                                    "storageBufferCacheMode": "simple"}
+    monkeypatch.delenv("LORAC_ORT_EP_OPTIONS")
+    assert ort_webgpu.options() == {"validationMode": "disabled", "maxNumPendingDispatches": "64"}
+    assert ort_webgpu.options("dawnBackendType=Vulkan;enableInt64=1")["enableInt64"] == "1"
+    for text, why in (("validationmode=disabled", r"'validationmode' is not one of the WebGPU plugin's options lorac "
+                                                  r"passes: validationMode, "),
+                      ("validationMode=off", r"validationMode='off': the WebGPU plugin takes disabled \| wgpuOnly"),
+                      ("maxNumPendingDispatches=", r"maxNumPendingDispatches='': the WebGPU plugin takes a value"),
+                      ("validationMode", r"'validationMode' is not key=value"),
+                      ("enableGraphCapture=1", r"enableGraphCapture=1 is not supported: lorac's step binds")):
+        with pytest.raises(LoracError, match=r"^LORAC_ORT_EP_OPTIONS: " + why) as e:
+            ort_webgpu.options(text)
+        assert "\n" not in str(e.value)
+    assert ort_webgpu.options("enableGraphCapture=0")["enableGraphCapture"] == "0"
+
+
+def test_session_settings_reach_the_session_options(monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    so = ort.SessionOptions()
+    ort_webgpu.configure(so, ort)  # nothing by default: onnxruntime's own settings
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL and so.enable_mem_pattern
+    monkeypatch.setattr(ort_webgpu, "SESSION", {"graph_optimization_level": "ORT_ENABLE_EXTENDED",
+                                                "enable_mem_pattern": False})
+    ort_webgpu.configure(so, ort)
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED and not so.enable_mem_pattern
+
+
 def test_providers_take_the_plugin_by_its_short_name():
     from lorac.runtime.engine.ort import resolve_providers
     have = ["AzureExecutionProvider", "CPUExecutionProvider"]

@@ -325,13 +325,16 @@ def test_tvm_cpu_build_matches_onnxruntime(tmp_path):
 
 
 @pytest.mark.parametrize("dtype,ckpt", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
-def test_cuda_pipeline_maps_the_packed_attention_to_cudnn(dtype, ckpt):
+def test_cuda_pipeline_maps_the_packed_attention_to_cudnn(dtype, ckpt, monkeypatch):
     """No GPU needed: the CUDA Relax passes (bf16 rewrite, GEMM dispatch, DLight) over a
     packed graph leave no kernel unscheduled; in bf16 the packed units become cuDNN's packed
     calls, as many as the plain graph's plain calls (2 layers x forward, backward, and the
-    recomputed forwards with checkpointing), each taking position_ids; fp32 inlines them."""
+    recomputed forwards with checkpointing), each taking position_ids (the ragged mask; the
+    bias, the default, is test_cuda_pipeline_masks_documents_by_a_bias); fp32 inlines them."""
     pytest.importorskip("tvm")
     from tvm import relax
+    from lorac.compiler.targets.cuda import attention as cuda_attention
+    monkeypatch.setattr(cuda_attention, "PACKED_MASK", "ragged")
     from test_compiler_gpu_passes import _calls, _cuda_plan
     spec, train, model = _small_packed(checkpointing=ckpt)
     plan = _cuda_plan(model, dtype)

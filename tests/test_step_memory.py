@@ -77,8 +77,12 @@ def test_choice_is_the_fastest_setting_that_fits():
 def test_no_estimate_where_attention_keeps_scores():
     spec, train = _train(LLAMA_GQA4, 2, 256)
     assert step_memory.plan_bytes(spec, train, dtype="float32") is None  # fp32: not cuDNN's unit
-    # packed documents run on cuDNN's unit too (its ragged layout): the same estimate as plain rows
-    assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) == step_memory.plan_bytes(spec, train)
+    # packed documents run on cuDNN's unit too: plain rows' estimate plus their bias [B, 1, S, S] bf16,
+    # or nothing more past the bias' bound (cuDNN's ragged layout)
+    plain = step_memory.plan_bytes(spec, train)
+    assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) == plain + 2 * 2 * 256 * 256
+    long_rows = replace(train, batch=8, seq=8192)
+    assert step_memory.plan_bytes(spec, replace(long_rows, packing="isolated")) == step_memory.plan_bytes(spec, long_rows)
     windowed, wtrain = _train({**LLAMA_GQA4, "model_type": "mistral", "sliding_window": 128}, 2, 256)
     assert step_memory.plan_bytes(windowed, wtrain) is None
     assert step_memory.plan_bytes(windowed, replace(wtrain, seq=128)) is not None

@@ -27,7 +27,7 @@ norm and skipped flag come back. Where the buffers live (Values):
   through the plugin's data transfer. LORAC_ORT_WEBGPU_HOST=1 keeps them on the host
   instead (onnxruntime then copies every input in and every output out at each run).
 LORAC_ORT_EP_OPTIONS="key=value;key=value" passes provider options to the plugin (e.g. the
-WebGPU EP's validationMode=disabled).
+WebGPU EP's validationMode=disabled; checked against the options it reads: ort_webgpu.options).
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ class OrtEngine(Graphs):
             if others:
                 raise LoracError(f"--ort-providers: the WebGPU plugin runs with the CPU provider as its fallback "
                                  f"only, not with {', '.join(others)}")
-            self._ep_device, self.adapter = ort_webgpu.open_device(ort, ep_options())
+            self._ep_device, self.adapter = ort_webgpu.open_device(ort, ort_webgpu.options())
             host = os.environ.get("LORAC_ORT_WEBGPU_HOST", "") not in ("", "0")
             self._values = HostValues(ort, "cpu") if host else DeviceValues(ort, self._ep_device,
                                                                             session=self._allocator_session)
@@ -254,7 +254,8 @@ class OrtEngine(Graphs):
         if self.profile:
             so.enable_profiling, so.profile_file_prefix = True, self.profile
         if self._ep_device is not None:
-            so.add_provider_for_devices([self._ep_device], ep_options())
+            so.add_provider_for_devices([self._ep_device], ort_webgpu.options())
+            ort_webgpu.configure(so, self._ort)
         return so
 
     def _allocator_session(self):
@@ -376,15 +377,6 @@ class OrtEngine(Graphs):
     def end_profiling(self) -> list[str]:
         """With `profile`: end every session's profile -> the JSON trace files onnxruntime wrote."""
         return [s.sess.end_profiling() for s in self._sessions.values()] if self.profile else []
-
-
-def ep_options() -> dict[str, str]:
-    """The plugin's provider options from LORAC_ORT_EP_OPTIONS ("key=value;key=value")."""
-    pairs = [p.partition("=") for p in os.environ.get("LORAC_ORT_EP_OPTIONS", "").split(";") if p.strip()]
-    bad = [k for k, eq, _ in pairs if not eq]
-    if bad:
-        raise LoracError(f"LORAC_ORT_EP_OPTIONS: {bad[0].strip()!r} is not key=value")
-    return {k.strip(): v.strip() for k, _, v in pairs}
 
 
 def describe_placement(where: dict, main: str) -> str:

@@ -13,6 +13,7 @@ uses on this OS.
 """
 from __future__ import annotations
 
+import os
 import platform
 
 from ..errors import LoracError
@@ -23,6 +24,30 @@ MIN_ORT = (1, 24, 4)
 INSTALL = "pip install 'lorac[webgpu]'"
 BACKENDS = {"Linux": "Vulkan", "Darwin": "Metal", "Windows": "D3D12"}  # what Dawn runs on, per OS
 _registered: set = set()  # ids of the onnxruntime modules the library is registered with
+
+# The plugin's provider options that bear on training (keys its 0.4.0 library reads, each as the
+# session entry "ep.webgpuexecutionprovider.<key>"; onnxruntime's webgpu_provider_options.h; not
+# the KV-cache ones, nor the handles of a caller's own Dawn instance or device) -> the values it
+# accepts (None: a number or a name). Its defaults: validationMode basic, storage buffers cached
+# in buckets, uniform ones simply, maxNumPendingDispatches 16 (one queue submit per 16 kernels),
+# no graph capture, int64 kernels off (int64 nodes run on the CPU).
+_ON_OFF = ("0", "1")
+_CACHE = ("disabled", "lazyRelease", "simple", "bucket")
+OPTIONS = {
+    "validationMode": ("disabled", "wgpuOnly", "basic", "full"), "storageBufferCacheMode": _CACHE,
+    "uniformBufferCacheMode": _CACHE, "queryResolveBufferCacheMode": _CACHE, "defaultBufferCacheMode": _CACHE,
+    "maxNumPendingDispatches": None, "enableInt64": _ON_OFF, "enableGraphCapture": _ON_OFF,
+    "enableRobustness": _ON_OFF, "preserveDevice": _ON_OFF, "enablePIXCapture": _ON_OFF,
+    "preferredLayout": ("NCHW", "NHWC"), "dawnBackendType": ("D3D12", "Vulkan"),
+    "powerPreference": ("high-performance", "low-power"), "maxStorageBufferBindingSize": None,
+    "sessionBufferPoolGenerations": None, "forceCpuNodeNames": None, "deviceId": None,
+}
+# What lorac passes to the plugin where LORAC_ORT_EP_OPTIONS does not set the key, and the
+# SessionOptions attributes it sets on a WebGPU session (e.g. {"graph_optimization_level":
+# "ORT_ENABLE_EXTENDED", "enable_mem_pattern": False}): the plugin's and onnxruntime's own
+# defaults until a GPU measurement (bench/webgpu_profile.py) shows a setting faster and exact.
+DEFAULTS: dict[str, str] = {}
+SESSION: dict = {}
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -135,4 +160,38 @@ def check() -> None:
         import onnxruntime
     except ImportError:
         raise LoracError(f"--target webgpu needs onnxruntime and its WebGPU plugin: {INSTALL}") from None
-    open_device(onnxruntime)
+    open_device(onnxruntime, options())
+
+
+def options(text: str | None = None) -> dict[str, str]:
+    """The plugin's provider options: DEFAULTS, then LORAC_ORT_EP_OPTIONS ("key=value;key=value",
+    or `text`); one LoracError line for a key or value the plugin does not read (it would ignore
+    a misspelt key) and for graph capture, which lorac's step cannot use (it binds the batch from
+    the host and swaps the LoRA/AdamW buffers after each update: a captured graph would replay
+    the first step's bindings)."""
+    text = os.environ.get("LORAC_ORT_EP_OPTIONS", "") if text is None else text
+    out = dict(DEFAULTS)
+    for item in filter(str.strip, text.split(";")):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise LoracError(f"LORAC_ORT_EP_OPTIONS: {item.strip()!r} is not key=value")
+        if key not in OPTIONS:
+            raise LoracError(f"LORAC_ORT_EP_OPTIONS: {key!r} is not one of the WebGPU plugin's options lorac passes: "
+                             f"{', '.join(OPTIONS)}")
+        allowed = OPTIONS[key]
+        if (allowed and value not in allowed) or (allowed is None and not value):
+            raise LoracError(f"LORAC_ORT_EP_OPTIONS: {key}={value!r}: the WebGPU plugin takes "
+                             f"{' | '.join(allowed) if allowed else 'a value'}")
+        if key == "enableGraphCapture" and value == "1":
+            raise LoracError("LORAC_ORT_EP_OPTIONS: enableGraphCapture=1 is not supported: lorac's step binds the "
+                             "batch from the host and swaps the LoRA/AdamW buffers each update, which a captured "
+                             "graph would not see")
+        out[key] = value
+    return out
+
+
+def configure(so, ort) -> None:
+    """SESSION's attributes on the SessionOptions `so` of a WebGPU session (the graph
+    optimization level by its onnxruntime.GraphOptimizationLevel name)."""
+    for name, value in SESSION.items():
+        setattr(so, name, getattr(ort.GraphOptimizationLevel, value) if name == "graph_optimization_level" else value)
