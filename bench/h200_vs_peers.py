@@ -90,6 +90,18 @@ CASES = {
     # every layer recomputed, inputs offloaded: the leanest setting (auto48's estimate, 46.8 GB, is at its budget)
     "70b-1x2048-nf4-offload": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "checkpointing": True,
                                                                    "offload": True, "loss_chunk": 1024}, []),
+    # quantized embeddings (--quantize-embeddings nf4: the input embedding and the LM head in NF4, a plain
+    # absmax; the head read in vocabulary slices): "embed" beside "quant"
+    "8b-1x2048-nf4e-auto8": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 8.0},
+                             ["fast:unsloth-4bit-gc"]),
+    "8b-1x2048-nf4e-offload": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
+                                                                 "offload": True}, []),
+    "8b-4x2048-nf4e-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0},
+                              ["fast:unsloth-4bit-gc"]),
+    "70b-1x2048-nf4e-offload": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
+                                                                     "offload": True, "loss_chunk": 1024}, []),
+    "70b-1x2048-nf4e-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 48.0},
+                               []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},
                     ["eager-gc", "compile"]),
     "mamba130m-8x1024": (MAMBA_130M, "mamba", 8, 1024, {"checkpointing": True}, ["torch", "mamba_ssm"]),
@@ -111,13 +123,16 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0, target: str = "c
     fam = for_spec(spec)
     kw = {"loss_chunk": auto_chunk(spec.vocab, B * S), **extra}  # `lorac train`'s CUDA default
     budget = kw.pop("memory_budget", None)
-    kind = kw.pop("quant", None)
+    kind, embed = kw.pop("quant", None), kw.pop("embed", None)
     if kind:
         from lorac.graphs.ops.quant import Quant
         q = Quant(kind, 64, True) if kind == "nf4" else Quant(kind)
         kw["quant"] = tuple(sorted((fam.weight_name(i, t), q) for i in range(spec.layers) for t in fam.TARGETS))
     targets = MAMBA_PEER_TARGETS if spec.arch == "mamba" else fam.TARGETS  # what the PEFT peer trains
     train = TrainSpec(batch=B, seq=S, lora_targets=targets, rank=16, alpha=32, extra=fam.train_extra(target, 0), **kw)
+    if embed:  # the tables as `lorac train --quantize-embeddings` holds them (runtime/model/quant/embeddings.py)
+        from lorac.runtime.model.quant.embeddings import held
+        train = held(spec, train, embed)
     if budget is not None:
         train = auto_checkpointing(spec, train, budget)
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
@@ -135,10 +150,13 @@ def auto_checkpointing(spec, train, budget_gb: float):
     D, L, q, kv = spec.hidden, spec.layers, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     n_weights = spec.vocab * D * (1 if spec.tied else 2) + L * (2 * D * q + 2 * D * kv + 3 * D * spec.intermediate + 2 * D) + D
     packed = 0
-    for name, qt in train.quant:  # quantized projections: their blocks instead of dense elements
+    from lorac.runtime.model.quant.embeddings import frozen_with, tables
+    layers = tuple((n, qt) for n, qt in train.quant if n not in tables(spec))
+    for name, qt in layers:  # quantized projections: their blocks instead of dense elements
         out, inp = spec.proj_shape(name.split(".")[-2])
         n_weights -= out * inp
         packed += sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in quant_inputs(qt, name, out, inp))
+    n_weights, packed = frozen_with(spec, (n_weights, packed), layers, train.quant)  # quantized embeddings
     budget, source = step_memory.budget_from(None, budget_gb)
     c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True)
     print(f"memory: auto: {step_memory.describe(c.checkpointing, c.keep_layers, L, c.offload)} ({c.why})", flush=True)

@@ -45,7 +45,7 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     g.scope = "head"
     hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
     loss, dhN = loss_and_grad(g, hN, head, labels, train.batch, train.seq, spec.vocab, train.loss_chunk,
-                              spec.logit_softcap)
+                              spec.logit_softcap, train.head_slices)
     dx = rmsnorm_backward(g, dhN, final_norm, nN)
     grads: dict = {}
     for L in reversed(layers[lowest:]):
@@ -66,7 +66,8 @@ def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     """Logits [B, S, V] of base + adapter (eval and generation); same inputs minus labels."""
     fam = family(spec)
     g, hN, head = _forward_only(fam, spec, train, dtype, "forward")
-    g.output(g.reshape(logits_forward(g, hN, head, spec.logit_softcap), train.batch, train.seq, spec.vocab), "logits")
+    logits = logits_forward(g, hN, head, spec.logit_softcap, train.head_slices)
+    g.output(g.reshape(logits, train.batch, train.seq, spec.vocab), "logits")
     return g.finish(doc=fam.describe(spec, train, "forward"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 
@@ -75,8 +76,8 @@ def build_eval_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     fam = family(spec)
     g, hN, head = _forward_only(fam, spec, train, dtype, "eval")
     labels = g.input("labels", [train.batch, train.seq], INT64)
-    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk, spec.logit_softcap)),
-             "loss")
+    g.output(g.reshape(loss_only(g, hN, head, labels, train.batch, train.seq, train.loss_chunk, spec.logit_softcap,
+                                 train.head_slices)), "loss")
     return g.finish(doc=fam.describe(spec, train, "eval"), metadata=_metadata(fam), data_prop=_data_prop(train))
 
 

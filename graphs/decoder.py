@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from .ops.attention import Mask, attention_backward, attention_forward
 from .builder import GraphBuilder
-from .ops.linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
+from .ops.linear import (Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward,
+                         projection_backward)
 from .ops.mlp import swiglu_backward, swiglu_forward
 from .ops.norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward
 from .ops.rope import rope_at, rope_backward, rope_forward, rope_tables
@@ -103,9 +104,25 @@ class Ctx:
             self.cos, self.sin = rope_at(g, g.fconst(cos), g.fconst(sin), positions)
 
 
+EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")  # HF's input embedding and untied LM head
+
+
+def declare_embedding(g: GraphBuilder, spec, train: TrainSpec, names=EMBEDDINGS):
+    """The input embedding [V, D], `names[0]`: dense, or where TrainSpec.quant names it quantized
+    (graphs/ops/quant.py: the lookup dequantizes only the rows it reads)."""
+    return frozen_weight(g, train, names[0], spec.vocab, spec.hidden)
+
+
+def declare_head(g: GraphBuilder, spec, train: TrainSpec, embed, names=EMBEDDINGS):
+    """The LM head [V, D]: a tied model's embedding itself (one input for both reads), else `names[1]`,
+    dense or quantized (graphs/ops/loss.py reads a quantized head in vocabulary slices). Declared
+    after the layers, where the graphs have always had it."""
+    return embed if spec.tied else frozen_weight(g, train, names[1], spec.vocab, spec.hidden)
+
+
 def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
     """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
-    embed = g.input("model.embed_tokens.weight", [spec.vocab, spec.hidden])
+    embed = declare_embedding(g, spec, train)
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -123,8 +140,7 @@ def declare_weights(g: GraphBuilder, spec: ModelSpec, train: TrainSpec):
             ln.proj[t] = p
         layers.append(ln)
     final_norm = g.input("model.norm.weight", [spec.hidden])
-    head = embed if spec.tied else g.input("lm_head.weight", [spec.vocab, spec.hidden])
-    return embed, layers, final_norm, head
+    return embed, layers, final_norm, declare_head(g, spec, train, embed)
 
 
 def _heads(g, x, n_heads, ctx: Ctx):
@@ -195,8 +211,8 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
 
 
 def embed(g, table, ids, spec, train):
-    """Token embedding: Gather rows of the frozen table -> [N, D] (frozen: no backward)."""
-    return g.reshape(g.op("Gather", table, ids, axis=0), train.batch * train.seq, spec.hidden)
+    """Token embedding: the rows of the frozen table -> [N, D] (frozen: no backward)."""
+    return gather_rows(g, table, ids, train.batch * train.seq, spec.hidden)
 
 
 def lora_tensor_names(spec: ModelSpec, train: TrainSpec) -> list[str]:

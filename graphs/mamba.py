@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .builder import GraphBuilder
 from .ops.conv import conv_backward, conv_forward
-from .decoder import embed  # noqa: F401 - the same token embedding (compose.py calls it)
+from .decoder import declare_embedding, declare_head, embed  # noqa: F401 - the same token embedding (compose.py calls it)
 from .ops.linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
 from .mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name, weight_name
 from .ops.mlp import swiglu_backward, swiglu_forward
@@ -30,6 +30,7 @@ from .ops.norm import rmsnorm_backward, rmsnorm_forward
 from .ops.scan import ScanDims, scan_backward, scan_forward
 from .spec import TrainSpec
 
+EMBEDDINGS = ("backbone.embeddings.weight", "lm_head.weight")  # HF's input embedding and untied LM head
 # the chunked body's FLOPs and transient memory grow with L: 4 was its fastest compiled CPU
 # point (docs/MAMBA.md); what targets that inline the scan units run
 DEFAULT_CHUNK = 4
@@ -94,7 +95,7 @@ class Ctx:
 def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
     """Graph inputs for every frozen weight (HF names) and LoRA tensor (PEFT names)."""
     D, I, M, K = spec.hidden, spec.intermediate, spec.state, spec.conv_kernel
-    table = g.input("backbone.embeddings.weight", [spec.vocab, D])
+    table = declare_embedding(g, spec, train, EMBEDDINGS)
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -111,8 +112,7 @@ def declare_weights(g: GraphBuilder, spec: MambaSpec, train: TrainSpec):
             L.proj[t] = p
         layers.append(L)
     final_norm = g.input("backbone.norm_f.weight", [D])
-    head = table if spec.tied else g.input("lm_head.weight", [spec.vocab, D])
-    return table, layers, final_norm, head
+    return table, layers, final_norm, declare_head(g, spec, train, table, EMBEDDINGS)
 
 
 def silu_forward(g, x):

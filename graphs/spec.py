@@ -110,9 +110,13 @@ class TrainSpec:
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
     packing: str = "plain"
-    # frozen linear weights that arrive quantized: (HF weight name, graphs.quant.Quant) pairs,
-    # sorted; the graph reads their blocks and dequantizes before each GEMM (graphs/ops/quant.py)
+    # frozen weights that arrive quantized: (HF weight name, graphs.quant.Quant) pairs, sorted; the
+    # graph reads their blocks and dequantizes before each GEMM (graphs/ops/quant.py): linear
+    # weights, and the embedding / LM head (read by rows and in vocabulary slices)
     quant: tuple = ()
+    # vocabulary slices a quantized LM head is read in (0: graphs/ops/loss.py head_slices picks ~96 MB
+    # dense bf16 slices); a dense head is one GEMM and ignores it
+    head_slices: int = 0
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -167,6 +171,8 @@ class TrainSpec:
                              "without checkpointing every layer keeps them")
         if self.offload and not self.checkpointing:
             raise ValueError("offload moves the inputs checkpointing keeps to host memory; it needs checkpointing")
+        if not isinstance(self.head_slices, int) or isinstance(self.head_slices, bool) or self.head_slices < 0:
+            raise ValueError(f"head_slices must be an integer >= 0, got {self.head_slices!r}")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
         if self.packing not in PACKINGS:

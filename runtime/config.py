@@ -15,6 +15,7 @@ from .train.optim import LoraPlusConfig
 
 QUANTIZE = ("nf4", "int8")  # --quantize
 QUANTIZED_BASE = ("auto", "keep", "dequantize")  # --quantized-base
+QUANTIZE_EMBEDDINGS = ("auto", "off", "nf4", "int8")  # --quantize-embeddings
 
 CPU = "cpu"  # the default --target: every machine has one
 # Sane ranges: (low, high, low included). Wider values are finite but only make every update
@@ -75,6 +76,14 @@ class TrainConfig:
                                   "is held: keep (its blocks: QLoRA's memory), dequantize (dense from load) or auto: "
                                   "keep on cuda; on cpu dequantize (the faster step) unless the dense weights would "
                                   "take more than half of the free memory (--dequantize: the same as dequantize)")
+    # the embedding and LM head stay dense unless asked, or unless auto finds that only quantizing
+    # them fits the budget (train/plan.py; runtime/model/quant/embeddings.py)
+    quantize_embeddings: str = setting(
+        "auto", "hold the input embedding and an untied LM head quantized: nf4 (block 64, a float32 absmax "
+        "per block; the hidden size must be a multiple of 64), int8 (a scale per vocabulary row), off, or auto: off, "
+        "but nf4 where the base is kept quantized and --checkpointing auto finds no setting within the memory "
+        "budget with dense embeddings; lookups dequantize only the rows they read, the LM head is read in "
+        "vocabulary slices of ~96 MB (docs/WEIGHTS.md)")
     trained_layers: str | None = setting(None, "adapt only layers A:B, or the layers i,j,k (no backward below the "
                                          "first)")  # "A:B": layers A..B-1 only (frozen prefix below A)
     lr: float = like(LoraPlusConfig, "lr", optimizer=True)
@@ -208,6 +217,12 @@ class TrainConfig:
             raise LoracError(f"--quantized-base must be {', '.join(QUANTIZED_BASE)}, got {self.quantized_base!r}")
         if self.quantize and self.quantized_base == "dequantize":
             raise LoracError("--quantize keeps the base quantized; it cannot be combined with --dequantize")
+        if self.quantize_embeddings not in QUANTIZE_EMBEDDINGS:
+            raise LoracError(f"--quantize-embeddings must be {', '.join(QUANTIZE_EMBEDDINGS)}, got "
+                             f"{self.quantize_embeddings!r}")
+        if self.quantize_embeddings in ("nf4", "int8") and self.quantized_base == "dequantize":
+            raise LoracError(f"--quantize-embeddings {self.quantize_embeddings} holds the embeddings quantized; it "
+                             "cannot be combined with --dequantize")
         if self.packing not in ("auto",) + PACKINGS:
             raise LoracError(f"--packing must be auto, {' or '.join(PACKINGS)}, got {self.packing!r}")
         from .data.fit import check_truncation

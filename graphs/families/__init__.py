@@ -13,6 +13,8 @@ A family module defines (llama.py is the model to copy):
   -- the graph (graphs/compose.py composes these): declare_weights, Ctx, embed,
      layer_forward, layer_backward, lora_tensor_names, describe
   -- names and tensors
+  EMBEDDINGS         (input embedding, untied LM head): HF names of the [V, D] tables
+                     (--quantize-embeddings quantizes them: runtime/model/quant/embeddings.py)
   lora_name(layer, target, which)   PEFT's saved key, which in {"A", "B"}
   weight_name(layer, target)        HF's key of the adapted matrix
   required_tensors(config)          HF tensor names a checkpoint of `config` must hold
@@ -44,8 +46,8 @@ import importlib
 import pkgutil
 
 REQUIRED = ("MODEL_TYPES", "HF_ARCHITECTURES", "TARGETS", "spec_from_hf", "declare_weights", "Ctx", "embed",
-            "layer_forward", "layer_backward", "lora_tensor_names", "describe", "lora_name", "weight_name",
-            "required_tensors", "PEFT_LEFT_OUT", "GGUF_ARCHS", "config_from_gguf", "GGUF_LAYER_NAMES",
+            "layer_forward", "layer_backward", "lora_tensor_names", "describe", "EMBEDDINGS", "lora_name",
+            "weight_name", "required_tensors", "PEFT_LEFT_OUT", "GGUF_ARCHS", "config_from_gguf", "GGUF_LAYER_NAMES",
             "GGUF_GLOBAL_NAMES", "tensor_from_gguf", "GGUF_TARGETS", "gguf_export", "train_extra",
             "CONTEXT_LIMITED", "PACKING_ISOLATED", "RESIDUAL_IN_FP32", "activation_bytes")
 

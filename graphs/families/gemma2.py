@@ -30,7 +30,9 @@ import onnx_ir as ir
 
 from ..ops.attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, projection_inputs  # noqa: F401 - the decoders' context (RoPE tables, dims) and doc line
-from ..ops.linear import Proj, add_lora, frozen_weight, linear_forward, linear_group_forward, projection_backward
+from ..decoder import EMBEDDINGS, declare_embedding, declare_head  # noqa: F401 - HF's embedding names, read as the decoders'
+from ..ops.linear import (Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward,
+                          projection_backward)
 from ..ops.mlp import geglu_backward, geglu_forward
 from ..ops.norm import rmsnorm_backward, rmsnorm_forward
 from ..ops.rope import rope_backward, rope_forward
@@ -126,7 +128,7 @@ def _scale(g, w, n: int):
 
 def declare_weights(g, spec: Gemma2Spec, train):
     D = spec.hidden
-    embed_w = g.input("model.embed_tokens.weight", [spec.vocab, D])
+    embed_w = declare_embedding(g, spec, train)
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -140,13 +142,12 @@ def declare_weights(g, spec: Gemma2Spec, train):
                 add_lora(g, p, lambda which: lora_name(i, t, which), train, out, inp)
         layers.append(L)
     final_norm = _scale(g, g.input("model.norm.weight", [D]), D)
-    head = embed_w if spec.tied else g.input("lm_head.weight", [spec.vocab, D])
-    return embed_w, layers, final_norm, head
+    return embed_w, layers, final_norm, declare_head(g, spec, train, embed_w)
 
 
 def embed(g, table, ids, spec, train):
     """Rows of the frozen table times sqrt(D) (HF's Gemma2TextScaledWordEmbedding) -> [N, D]."""
-    rows = g.reshape(g.op("Gather", table, ids, axis=0), train.batch * train.seq, spec.hidden)
+    rows = gather_rows(g, table, ids, train.batch * train.seq, spec.hidden)
     return g.op("Mul", rows, g.f(math.sqrt(spec.hidden)))
 
 

@@ -9,7 +9,7 @@ the rows of q_proj/k_proj inside each head for llama (runtime/model/gguf.py).
 from __future__ import annotations
 
 from ..decoder import declare_weights, describe, embed, layer_backward, layer_forward, Ctx  # noqa: F401
-from ..decoder import lora_tensor_names  # noqa: F401
+from ..decoder import EMBEDDINGS, lora_tensor_names  # noqa: F401
 from ..decoder import activation_bytes  # noqa: F401 - what a layer keeps (runtime/train/memory.py)
 from ..spec import ATTN_TARGETS, MLP_TARGETS, ModelSpec, count_field, first, lora_name, number_field, rope_theta
 from ..spec import weight_name as _weight_name

@@ -7,7 +7,7 @@ lorac loads Mamba from HF directories only and exports merged models or PEFT ada
 """
 from __future__ import annotations
 
-from ..mamba import DEFAULT_CHUNK, DEVICE_CHUNK, Ctx, declare_weights, describe, embed  # noqa: F401
+from ..mamba import DEFAULT_CHUNK, DEVICE_CHUNK, EMBEDDINGS, Ctx, declare_weights, describe, embed  # noqa: F401
 from ..mamba import layer_backward, layer_forward, lora_tensor_names  # noqa: F401
 from ..mamba_spec import MAMBA_TARGETS, MambaSpec, lora_name
 from ..mamba_spec import weight_name as _weight_name

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..ops.attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, embed, gated_mlp_backward, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
+from ..decoder import EMBEDDINGS, declare_embedding, declare_head  # noqa: F401 - HF's embedding names, read as the decoders'
 from ..decoder import activation_bytes as _decoder_bytes
 from ..ops.linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
 from ..ops.mlp import swiglu_forward
@@ -113,7 +114,7 @@ class Saved:
 
 
 def declare_weights(g, spec: Phi3Spec, train):
-    embed_w = g.input("model.embed_tokens.weight", [spec.vocab, spec.hidden])
+    embed_w = declare_embedding(g, spec, train)
     trained = set(train.layers(spec))
     layers = []
     for i in range(spec.layers):
@@ -126,8 +127,7 @@ def declare_weights(g, spec: Phi3Spec, train):
                 add_lora(g, p, lambda which: lora_name(i, t, which), train, out, inp)
         layers.append(L)
     final_norm = g.input("model.norm.weight", [spec.hidden])
-    head = embed_w if spec.tied else g.input("lm_head.weight", [spec.vocab, spec.hidden])
-    return embed_w, layers, final_norm, head
+    return embed_w, layers, final_norm, declare_head(g, spec, train, embed_w)
 
 
 def layer_forward(c: Ctx, x, L: Layer):

@@ -7,7 +7,7 @@ architecture qwen3 (attn_q_norm, attn_k_norm; q/k rows not permuted).
 from __future__ import annotations
 
 from ..decoder import declare_weights, describe, embed, layer_backward, layer_forward, Ctx  # noqa: F401
-from ..decoder import lora_tensor_names  # noqa: F401
+from ..decoder import EMBEDDINGS, lora_tensor_names  # noqa: F401
 from ..decoder import activation_bytes  # noqa: F401 - what a layer keeps, q/k norms included
 from ..spec import ModelSpec, lora_name  # noqa: F401
 from . import no_train_extra

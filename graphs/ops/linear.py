@@ -36,6 +36,14 @@ def weight(g, p: Proj):
     return p.w.dense(g) if hasattr(p.w, "dense") else p.w
 
 
+def gather_rows(g, table, ids, n: int, width: int):
+    """Rows of a frozen [V, width] table (an embedding) for the n int ids -> [n, width]: a Gather,
+    or, where the table is quantized, the dequantization of those rows alone (QuantWeight.rows)."""
+    if hasattr(table, "rows"):
+        return table.rows(g, ids, n)
+    return g.reshape(g.op("Gather", table, ids, axis=0), n, width)
+
+
 def add_lora(g, p: Proj, names, train, out: int, inp: int) -> None:
     """Adapt projection `p`: LoRA inputs A [r, in] and B [out, r], named names("A") / names("B")."""
     p.a = g.input(names("A"), [train.rank, inp])

@@ -295,7 +295,9 @@ class OrtEngine(Graphs):
         s = self.compile(kind)
         if self._weights is None:
             self._missing_weights(s.inputs, self._host_weights)
-            self._weights = self._values.put({n: np.asarray(a, np.float32) for n, a in self._host_weights.items()
+            # weights in float32; a quantized weight's integer blocks and codes as they are (graphs/ops/quant.py)
+            self._weights = self._values.put({n: np.asarray(a) if np.asarray(a).dtype.kind in "iu" else
+                                              np.asarray(a, np.float32) for n, a in self._host_weights.items()
                                               if n in s.inputs})
             self._host_weights = None  # the device holds them now
         else:

@@ -69,7 +69,8 @@ class Engine(Graphs):
             check_plan(step.manifest, devices.get(self.device), kind.split(":")[0])  # before its first call allocates it
             self._arts[kind] = step
             if kind == "train":
-                self.log(memory_summary(step.manifest, self.shapes, self.device))
+                from lorac.graphs.families import for_spec
+                self.log(memory_summary(step.manifest, self.shapes, self.device, for_spec(self.spec).EMBEDDINGS))
             if kind != "adamw" and self._weights is None:
                 self._weights = self._upload(step, self._host_weights)
                 self._host_weights = None  # the device holds them now
@@ -178,9 +179,10 @@ class Engine(Graphs):
         return step({**self._weights, **self._feed(step, lora), "input_ids": ids})["logits"]
 
 
-def memory_summary(manifest, lora_shapes: dict, device: str) -> str:
+def memory_summary(manifest, lora_shapes: dict, device: str, tables: tuple = ()) -> str:
     """One line on what a training step holds on its device: the compiled step's static
-    plan (activations and workspace), the frozen weights as the artifact takes them, and
+    plan (activations and workspace), the frozen weights as the artifact takes them (the
+    quantized embedding tables among them said apart: `tables`, the family's EMBEDDINGS), and
     the LoRA tensors with their gradients and AdamW moments (fp32)."""
     plan = manifest.static_plan_bytes
     size = lambda i: int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize
@@ -190,6 +192,9 @@ def memory_summary(manifest, lora_shapes: dict, device: str) -> str:
     state = 4 * 4 * sum(int(np.prod(s)) for s in lora_shapes.values())
     gb = lambda n: f"{n / 1e9:.1f} GB"
     quantized = f" + quantized weights {gb(packed)}" if packed else ""
+    embedded = sum(size(i) for i in manifest.inputs if i["name"].startswith(tuple(f"{t}." for t in tables)))
+    if embedded:
+        quantized += f" (of which embeddings {gb(embedded)})"
     return (f"{device} memory for training: step activations and workspace {gb(plan)} (static plan), frozen "
             f"weights {gb(frozen)}{quantized}, LoRA tensors + gradients + AdamW moments {gb(state)}; total "
             f"{gb(plan + frozen + packed + state)} before library workspaces (--checkpointing and --keep-layers trade "

@@ -19,7 +19,8 @@ compiled CUDA steps were measured to plan:
     per-token statistics beside it);
 - frozen layers below the first trained one keep nothing;
 - the peak is the larger of two moments: the loss, with every layer's kept set, one loss
-  chunk's fp32 logits [chunk, V] and a few [T, D] values (residual, its gradient: 3 x
+  chunk's logits [chunk, V] and their gradient (one vocabulary slice wide where the head is
+  quantized: `loss_bytes`) and a few [T, D] values (residual, its gradient: 3 x
   itemsize x D bytes a token); and a layer's backward (the layers below it, its full set,
   recomputed or not, and its gradients: 3 [T, D] values; Mamba's scan 8 [T, I]), which is
   the larger with checkpointing and a small vocabulary.
@@ -89,7 +90,7 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
     kept = [full if not train.checkpointing else recomputed if train.recomputes(spec, layer) else lean
             for layer in sorted(train.layers(spec))]
     chunk = min(train.loss_chunk or T, T)
-    peak = (sum(kept) + 3 * itemsize * spec.hidden) * T + 4 * chunk * spec.vocab  # the loss, everything kept
+    peak = (sum(kept) + 3 * itemsize * spec.hidden) * T + loss_bytes(spec, train, chunk)  # the loss, everything kept
     below = 0.0
     for k in kept:  # each layer's backward, bottom up: the layers below it, its full set again, gradients
         peak = max(peak, (below + full + backward) * T)
@@ -97,6 +98,20 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
     if getattr(train, "packing", "plain") == "isolated" and dtype == "bfloat16":  # the documents' bias, live all step
         peak += packed_bias_bytes(train.batch, train.seq)
     return int(peak)
+
+
+def loss_bytes(spec, train, chunk: int) -> int:
+    """One loss chunk's logits and their gradient ([chunk, V] each, bf16 from the GEMMs: 4 bytes a
+    logit measured); with a quantized head, read in vocabulary slices (graphs/ops/loss.py), the
+    gradient is one slice wide: at Llama-3-8B's 1x2048, 0.57 instead of 1.05 GB (its compiled
+    2-layer plan held 525 MB of logits and a 48 MB slice gradient at the loss)."""
+    from lorac.graphs.families import for_spec
+    from lorac.graphs.ops.loss import head_slices
+    tables = for_spec(spec).EMBEDDINGS
+    if (tables[0] if spec.tied else tables[1]) not in dict(train.quant):
+        return 4 * chunk * spec.vocab
+    rows = max(hi - lo for lo, hi in head_slices(spec.vocab, spec.hidden, train.head_slices))
+    return 2 * chunk * (spec.vocab + rows)
 
 
 def frozen_sizes(weights: dict) -> tuple[int, int]:
@@ -115,11 +130,20 @@ def frozen_sizes(weights: dict) -> tuple[int, int]:
 def dequant_workspace(spec, train, dtype: str) -> int:
     """Bytes of the dense copies quantized weights are dequantized into: each lives from its
     dequantization to the GEMM that reads it; two of the largest at once (the next layer's
-    may be formed while the last is read)."""
+    may be formed while the last is read). A quantized LM head is read in vocabulary slices
+    (graphs/ops/loss.py head_slices): a slice counts as a projection does. A quantized
+    embedding's lookup dequantizes only the rows it reads ([T, D], at the step's start, far from
+    its peak: not counted)."""
+    from lorac.graphs.families import for_spec
+    from lorac.graphs.ops.loss import head_slices
     if not train.quant:
         return 0
-    widest = max(math.prod(spec.proj_shape(name.split(".")[-2])) for name, _ in train.quant)
-    return 2 * widest * (2 if dtype == "bfloat16" else 4)
+    tables = for_spec(spec).EMBEDDINGS
+    head = tables[0] if spec.tied else tables[1]
+    sizes = [math.prod(spec.proj_shape(name.split(".")[-2])) for name, _ in train.quant if name not in tables]
+    if head in dict(train.quant):
+        sizes.append(max(hi - lo for lo, hi in head_slices(spec.vocab, spec.hidden, train.head_slices)) * spec.hidden)
+    return 2 * max(sizes, default=0) * (2 if dtype == "bfloat16" else 4)
 
 
 def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes: int = 0) -> int | None:

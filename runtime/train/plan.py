@@ -87,14 +87,35 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
             log(f"loss chunk: {loss_chunk} tokens ({cfg.target} default: fp32 logits of a chunk <= "
                 f"{device.LOSS_CHUNK_BYTES / 2**30:g} GiB)")
     train = cfg.train_spec(spec, workers=workers, loss_chunk=loss_chunk, extra=extra, quant=quant)
+    from ..model.quant import embeddings
+    cfg, train = plan_embeddings(cfg, spec, train, saved=saved)
     if cfg.checkpointing == "auto":
-        cfg, train = choose_checkpointing(cfg, spec, train, frozen, device, saved=saved, dp=dp, log=log)
+        sized = embeddings.frozen_with(spec, frozen, quant, train.quant)
+        cfg, train = choose_checkpointing(cfg, spec, train, sized, device, saved=saved, dp=dp, log=log)
+    if cfg.quantize_embeddings == "auto":  # checkpoints record what ran
+        cfg = replace(cfg, quantize_embeddings="off")
+    frozen = embeddings.frozen_with(spec, frozen, quant, train.quant)  # the tables the run quantizes
+    if cfg.quantize_embeddings != "off":
+        log(f"embeddings: {embeddings.describe(spec, train.quant, cfg.dtype or device.DEFAULT_DTYPE, train.head_slices)}")
     train.validate(spec)
     # before any compile: an impossible size would only fill memory
     limits.check_context(cfg.seq, model_config, "--seq")
     limits.check_rank(spec, train)
     limits.check_memory(spec, train, frozen[0], device, frozen[1])
     return Plan(cfg, spec, train, device, workers)
+
+
+def plan_embeddings(cfg: TrainConfig, spec, train, *, saved=None):
+    """--quantize-embeddings nf4|int8: the model's embedding tables join TrainSpec.quant (the run
+    quantizes them once the plan is made: runtime/model/quant/embeddings.py); auto when resuming:
+    the checkpoint's choice; otherwise auto stays for the memory choice (choose_checkpointing).
+    Returns (cfg, train)."""
+    from ..model.quant import embeddings
+    if cfg.quantize_embeddings == "auto" and cfg.resume and saved is not None:
+        cfg = replace(cfg, quantize_embeddings=saved.quantize_embeddings or "off")
+    if cfg.quantize_embeddings in embeddings.KINDS:
+        train = embeddings.held(spec, train, cfg.quantize_embeddings)
+    return cfg, train
 
 
 def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int], device, *, saved=None, dp=None,
@@ -119,9 +140,11 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
         if gather is not None and budget is not None:  # every worker compiles the same step
             budget = int(gather([budget], "the memory budgets").min())
             source += f", the least of {dp.size} workers"
-        n_weights, packed = frozen
-        choice = step_memory.choose(spec, train, n_weights, cfg.dtype or device.DEFAULT_DTYPE, budget, source, packed,
-                                    offload=device.OFFLOADS)
+        dtype = cfg.dtype or device.DEFAULT_DTYPE
+        choice = step_memory.choose(spec, train, frozen[0], dtype, budget, source, frozen[1], offload=device.OFFLOADS)
+        if choice.need is not None and choice.need > budget and cfg.quantize_embeddings == "auto" and train.quant:
+            # a QLoRA run (the loaded base keeps quantized layers) that no setting fits with dense tables
+            cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, dtype, budget, source, device, log)
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
     off = off and ckpt
     train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
@@ -129,6 +152,28 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     if log is not None:
         log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off)} ({why})")
     return cfg, train
+
+
+def _embeddings_to_fit(cfg: TrainConfig, spec, train, frozen, dense, dtype, budget, source, device, log):
+    """--quantize-embeddings auto where no setting fits the budget with dense embeddings: the same
+    choice with them in NF4 (a plain absmax) -> (cfg, train, choice); dense still, when the hidden
+    size has no whole NF4 blocks."""
+    from ..errors import LoracError
+    from ..model.quant import embeddings
+    from . import memory as step_memory
+    try:
+        held = embeddings.held(spec, train, "nf4")
+    except LoracError as e:
+        if log is not None:
+            log(f"embeddings: auto: dense ({e})")
+        return cfg, train, dense
+    n_weights, packed = embeddings.frozen_with(spec, frozen, train.quant, held.quant)
+    choice = step_memory.choose(spec, held, n_weights, dtype, budget, source, packed, offload=device.OFFLOADS)
+    if log is not None:
+        log(f"embeddings: auto: nf4 (with dense embeddings even full checkpointing needs an estimated "
+            f"{dense.need / 1e9:.1f} GB, more than the {budget / 1e9:.1f} GB budget; NF4 embeddings: "
+            f"{choice.need / 1e9:.1f} GB)")
+    return replace(cfg, quantize_embeddings="nf4"), held, choice
 
 
 def plan_graphs(cfg: TrainConfig, spec) -> Plan:

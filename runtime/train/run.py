@@ -32,6 +32,19 @@ def _quantized(weights: dict, log) -> tuple:
     return quant
 
 
+def _check_tables(cfg: TrainConfig, source) -> None:
+    """--quantize-embeddings nf4|int8 on a model whose tables the format cannot hold: refused from
+    its config, before any weight is read."""
+    from ..model.quant.embeddings import KINDS, embedding_quant
+    if cfg.quantize_embeddings in KINDS:
+        from lorac.graphs import ModelSpec
+        try:
+            spec = ModelSpec.from_hf_config(source.config())
+        except ValueError:
+            return  # the plan names what the model has that lorac does not implement
+        embedding_quant(spec, cfg.quantize_embeddings)
+
+
 def _keeps(cfg: TrainConfig, source, log) -> bool:
     """cfg.keeps_quantized(), told the base's dense size (from its headers) where auto asks for
     it, and saying so when that keeps a base the device would otherwise dequantize."""
@@ -79,10 +92,13 @@ class Run:
             self.log = lambda msg: None
         self.source = resolve_model(cfg.model)
         self.log(f"model: {self.source.describe()}")
+        _check_tables(cfg, self.source)
         self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, _keeps(cfg, self.source, self.log))
         quant = _quantized(weights, self.log)
         from .memory import frozen_sizes
         self.plan, self.adapter = _plan(cfg, self.model_config, frozen_sizes(weights), quant, dp, self.log)
+        from ..model.quant.embeddings import quantize_tables
+        weights = quantize_tables(weights, self.plan.train.quant)  # --quantize-embeddings, as planned
         self.cfg = cfg = self.plan.cfg
         self.spec, self.train_spec = self.plan.spec, self.plan.train
         data_path, self.eval_path = data_files(cfg)
@@ -175,7 +191,7 @@ def _plan(cfg: TrainConfig, model_config: dict, frozen: tuple[int, int], quant: 
         adapter = read_adapter(cfg.adapter, spec)
         log(f"adapter: {adapter.describe()}")
     saved = None
-    if cfg.resume and cfg.checkpointing == "auto":  # the checkpoint's graph
+    if cfg.resume and "auto" in (cfg.checkpointing, cfg.quantize_embeddings):  # the checkpoint's graph
         from .saved import SavedRun
         saved = SavedRun.read(cfg.resume)
     return plan_run(cfg, spec, model_config, frozen, quant=quant, adapter=adapter, saved=saved, dp=dp,

@@ -2,7 +2,7 @@
 file, train/run.py what goes in it), read in one place and typed.
 
 `lorac eval`, `generate` and `export` take their defaults from it, `--resume` checks a run
-against it and adopts its activation-checkpointing choice. A setting a state.json lacks is
+against it and adopts its activation-checkpointing and embedding-quantization choices. A setting a state.json lacks is
 None (checkpoints from before the setting existed), and readers fall back on their own
 defaults. Older spellings keep loading: `targets` (before the field became `lora_targets`)
 and `checkpointing` as true/false (before it took auto/on/off).
@@ -29,6 +29,7 @@ class SavedRun:
     truncate: str | None = None  # --truncate (none before it existed: "none")
     checkpointing: str = "off"  # "on", "off" or "offload" as resolved
     keep_layers: int = 0
+    quantize_embeddings: str | None = None  # "off", "nf4" or "int8" as resolved (None: before the setting)
     steps: int | None = None
     optimizer: dict = field(default_factory=dict)  # the optimizer settings it recorded (TrainConfig.optimizer_settings)
     schedule_steps: int | None = None  # the steps the learning-rate schedule decays over
@@ -48,7 +49,8 @@ class SavedRun:
                    rslora=bool(tc.get("rslora", False)), lora_targets=tuple(targets) if targets else None,
                    trained_layers=tc.get("trained_layers"), packing=tc.get("packing"), truncate=tc.get("truncate"),
                    checkpointing=ckpt,
-                   keep_layers=int(tc.get("keep_layers") or 0), steps=tc.get("steps"),
+                   keep_layers=int(tc.get("keep_layers") or 0), quantize_embeddings=tc.get("quantize_embeddings"),
+                   steps=tc.get("steps"),
                    optimizer={k: tc[k] for k in TrainConfig.optimizer_settings() if tc.get(k) is not None},
                    schedule_steps=state.get("schedule_steps"), data_sha256=state.get("data_sha256"),
                    model_config=state.get("model_config") or {})
