@@ -24,7 +24,7 @@ whose blocks stay within a row (int8, GGUF, nf4 with whole blocks a row and a pl
         whole 256-value blocks (SmolLM2's hidden 576): most of such a file's projections.
 
 Every op is a default-domain ONNX op onnxruntime and TVM's ONNX frontend both convert
-(Slice, BitShift, BitwiseAnd/Or, Equal, Where, Cast, Gather, Concat, Reshape, Expand, Mul, Add, Sub).
+(Slice, BitShift, BitwiseAnd/Or, Cast, Gather, Concat, Reshape, Expand, Mul, Add, Sub).
 GGUF's fp16 scales are decoded from their two bytes with exact arithmetic: the sign and
 exponent byte picks a power of two (and the implicit leading bit) from a 64-entry table,
 times the integer mantissa, an exact product for every finite fp16 (subnormals included;
@@ -138,7 +138,7 @@ class QuantWeight:
         v = self.values
         if self.q.kind == "nf4":  # absmax as [out, in/block]: whole blocks a row
             per = self.inp // self.q.block
-            codes = nf4_select(g, pick(v["nf4"]), v)  # [n, in/2, 2]
+            codes = nf4_codes(g, pick(v["nf4"]), v)  # [n, in/2, 2]
             absmax = pick(g.reshape(v["absmax"], self.out, per))
             w = g.reshape(g.op("Mul", g.reshape(codes, n, per, self.q.block), g.op("Unsqueeze", absmax, g.ints(2))),
                           n, self.inp)
@@ -199,31 +199,22 @@ def _need(arrays, stem, suffixes):
 
 # ------------------------------------------------------------------ nf4
 
-def nf4_select(g, packed, v: dict):
+def nf4_codes(g, packed, v: dict):
     """code[b >> 4], code[b & 15] of every byte b of `packed` [..., k] -> float32 [..., k, 2] (`v`: the
-    weight's inputs, code = v["nf4_code"]), by selects on the nibbles' bits (a tree of 15 Wheres over
-    the 16 code values, sliced out of the input once a weight) instead of a Gather into the code
-    pairs: elementwise, so the compiler fuses it with what reads the bytes before and the absmax
-    product after into one kernel writing the dequantized weight. A Gather's int32 indices and its
-    fp32 pairs were each written whole first: in the compiled CUDA plan of a Llama-3-8B-width step,
-    117 MB and 235 MB beside a [14336, 4096] projection's 117 MB bf16 copy, 96 and 192 MB beside a
-    96 MB head slice (2 layers 1x2048, NF4 embeddings, offload: plan 918 -> 726 MB). Exact: each
-    value is one of the 16 inputs."""
-    if "code_values" not in v:  # [1] each, shared by every read of this weight
-        v["code_values"] = [g.slice(v["nf4_code"], k, k + 1, 0) for k in range(16)]
-
-    def pick(first_bit: int):
-        level = v["code_values"]
-        for bit in range(first_bit, first_bit + 4):  # the lowest bit first: pairs, then pairs of pairs
-            on = g.op("Cast", _and(g, packed, 1 << bit), to=ir.DataType.BOOL)
-            level = [g.op("Where", on, hi, lo) for lo, hi in zip(level[0::2], level[1::2])]
-        return g.op("Unsqueeze", level[0], g.ints(-1))
-    return g.op("Concat", pick(4), pick(0), axis=-1)
+    weight's inputs, code = v["nf4_code"]): a Gather into the 256 code pairs, indexed by the bytes.
+    Exact: each value is one of the 16 inputs. (A tree of 15 selects over the nibbles' bits, fused
+    into one kernel, saved the Gather's int32 indices and fp32 pairs in the compiled CUDA plan,
+    ~350 MB at a Llama-3-8B projection, but its kernels made the 8B NF4 step 195 ms slower on the
+    H200, at 1x2048 and at 4x2048 alike: docs/BENCHMARKS.md.)"""
+    if "code_pairs" not in v:  # [256, 2], shared by every read of this weight
+        v["code_pairs"] = g.op("Gather", v["nf4_code"], g.const(
+            np.stack([np.arange(256) >> 4, np.arange(256) & 15], 1).astype(np.int32)))
+    return g.op("Gather", v["code_pairs"], g.op("Cast", packed, to=I32))
 
 
 def nf4_dense(g, q: Quant, v: dict, out: int, inp: int):
     nb, ns = nf4_blocks(q, out, inp)
-    codes = nf4_select(g, v["nf4"], v)  # [out, in/2, 2]
+    codes = nf4_codes(g, v["nf4"], v)  # [out, in/2, 2]
     if q.double:
         scale = g.op("Expand", g.op("Unsqueeze", v["absmax_scale"], g.ints(1)), g.ints(ns, NESTED))
         scale = g.reshape(scale, ns * NESTED)
