@@ -269,7 +269,7 @@ def tensor_infos(path, dtype=np.float32) -> dict:
     GGUF tensor infos: no tensor is read (`--compile-only` sizes its step from these)."""
     path, dtype = os.fspath(path), as_dtype(dtype)
     info = lambda dt, n: TensorInfo(dt, n, n * dt.itemsize)  # noqa: E731
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    if path.endswith(".gguf") and os.path.exists(path):  # open_gguf refuses a FIFO in one line
         from .gguf import architecture, hf_name, metadata, open_gguf
         reader = open_gguf(path)
         _, family = architecture(metadata(reader), path)
