@@ -17,13 +17,16 @@ def small_training_graph(batch=2, seq=8, rank=4) -> onnx.ModelProto:
     return build_training_graph(spec, TrainSpec(batch=batch, seq=seq, rank=rank, lora_targets=tuple(ALL_TARGETS)))
 
 
-def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Values for every graph input: ids/labels in [0, vocab) (one label ignored), weights
-    ~N(0, 0.1^2), norm weights near 1, LoRA B small but non-zero so every gradient is."""
-    rng = np.random.default_rng(seed)
+def random_inputs(model: onnx.ModelProto, seed: int = 0, vocab: int | None = None, rng=None,
+                  ignored: int = 1) -> dict[str, np.ndarray]:
+    """Values for every graph input: ids/labels in [0, vocab) (the first `ignored` labels of row 0
+    ignored), weights ~N(0, 0.1^2), norm weights near 1, LoRA B small but non-zero so every
+    gradient is. `vocab` defaults to the dense embedding input's rows; `rng` to one seeded by `seed`."""
+    rng = rng if rng is not None else np.random.default_rng(seed)
     inits = {i.name for i in model.graph.initializer}
     ins = [i for i in model.graph.input if i.name not in inits]
-    vocab = next(d.type.tensor_type.shape.dim[0].dim_value for d in ins if d.name.endswith("embed_tokens.weight"))
+    if vocab is None:
+        vocab = next(d.type.tensor_type.shape.dim[0].dim_value for d in ins if d.name.endswith("embed_tokens.weight"))
     out = {}
     for i in ins:
         shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
@@ -33,7 +36,7 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
             out[i.name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             out[i.name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
-    out["labels"][0, 0] = -100
+    out["labels"][0, :ignored] = -100
     return out
 
 

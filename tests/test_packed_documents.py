@@ -66,15 +66,20 @@ def test_lengths_and_starts_follow_the_documents(docs):
         np.testing.assert_array_equal(ragged_mask(lengths, starts, B, S), graph_mask(pos))
 
 
-def test_random_rows_equal_the_graph_mask():
-    """Rows of 4..40 documents of random lengths (length 1 included), as the H200 check draws them."""
-    rng = np.random.default_rng(0)
-    B, S = 6, 96
+def _random_rows(rng, B: int, S: int, lo: int, hi: int) -> np.ndarray:
+    """position_ids [B, S] of rows cut at lo..hi-1 random places each (documents of random lengths,
+    length 1 included), positions restarting at every document."""
     pos = []
     for _ in range(B):
-        cuts = np.sort(rng.choice(np.arange(1, S), rng.integers(3, 40), replace=False))
+        cuts = np.sort(rng.choice(np.arange(1, S), rng.integers(lo, hi), replace=False))
         pos.append(np.concatenate([np.arange(n) for n in np.diff(np.r_[0, cuts, S])]))
-    pos = np.stack(pos)
+    return np.stack(pos)
+
+
+def test_random_rows_equal_the_graph_mask():
+    """Rows of 4..40 documents of random lengths (length 1 included), as the H200 check draws them."""
+    B, S = 6, 96
+    pos = _random_rows(np.random.default_rng(0), B, S, 3, 40)
     n = int((pos == 0).sum())
     lengths, starts = split_documents(pos, n + 5)
     assert lengths[:n].min() >= 1 and (lengths[:n] == 1).any()
@@ -292,13 +297,8 @@ def test_groups_bound_capacity_and_length():
 
 def test_documents_fill_each_group_and_refuse_what_the_plans_cannot_hold():
     from lorac.runtime.devices.cuda.documents import Documents, groups_for
-    rng = np.random.default_rng(1)
     B, S = 4, 64
-    pos = []
-    for _ in range(B):
-        cuts = np.sort(rng.choice(np.arange(1, S), rng.integers(2, 12), replace=False))
-        pos.append(np.concatenate([np.arange(n) for n in np.diff(np.r_[0, cuts, S])]))
-    pos = np.stack(pos)
+    pos = _random_rows(np.random.default_rng(1), B, S, 2, 12)
     lengths, starts = split_documents(pos, int((pos == 0).sum()))
     docs = Documents(B, S, groups_for(B, S, 12, int(lengths.max()), (4, 16)), _Buffer)
     assert [(g.lo, g.hi) for g in docs.groups] == [(0, 4), (4, 16), (16, int(lengths.max()))]

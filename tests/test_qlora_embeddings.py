@@ -46,20 +46,9 @@ def _train(spec, quant=(), **kw):
 
 
 def _random_weights(model, vocab: int, rng) -> dict:
-    """Every input of a dense graph: ids and labels (a few ignored), norms near 1, weights ~N(0, 0.1^2),
-    LoRA B small but non-zero (so every gradient is)."""
-    import onnx
-    out = {}
-    for i in model.graph.input:
-        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
-        if i.type.tensor_type.elem_type == onnx.TensorProto.INT64:
-            out[i.name] = rng.integers(0, vocab, size=shape, dtype=np.int64)
-        elif "norm" in i.name:
-            out[i.name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            out[i.name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
-    out["labels"][0, :3] = -100
-    return out
+    """Every input of a dense graph (tests/_compiler_graphs.random_inputs), three labels ignored."""
+    from _compiler_graphs import random_inputs
+    return random_inputs(model, vocab=vocab, rng=rng, ignored=3)
 
 
 def _quantized(config, spec, dense: dict, tables: str, layers):
