@@ -274,3 +274,35 @@ def test_values_read_only_in_bf16_are_stored_in_bf16():
              if var.same_as(take[0].var) for u in us}
     values = {b.var: b.value for blk in dataflow_blocks(mod) for b in blk.bindings}
     assert all(values[u].op != astype for u in users)  # ... read through a bf16 reshape, not one fp32 copy
+
+
+def _nf4_decoder():
+    from lorac.graphs.families import for_spec
+    from lorac.graphs.ops.quant import Quant
+    spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256,
+                                     "head_dim": 32})
+    fam = for_spec(spec)
+    quant = tuple(sorted((fam.weight_name(i, t), Quant("nf4", 64, True)) for i in range(spec.layers)
+                         for t in fam.TARGETS))
+    return build_training_graph(spec, TrainSpec(batch=2, seq=32, rank=4, lora_targets=tuple(ALL_TARGETS),
+                                                checkpointing=True, quant=quant))
+
+
+def test_nf4_dequantization_is_one_kernel(monkeypatch):
+    """An NF4 weight's lookup into its 256 code pairs fuses with the bytes' widening before it and
+    the absmax scale and bf16 cast after it (compiler/passes/lookups.py): one kernel reads the
+    packed bytes and writes the weight, where three wrote int32 indices and fp32 pairs; the
+    plan holds less. Embedding lookups (large tables) stay kernels of their own."""
+    from lorac.compiler.passes import lookups
+
+    model = _nf4_decoder()
+    plan = _cuda_plan(model, "bfloat16")
+    names = [gv.name_hint for gv, f in plan["_mod"].functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    dequant = [n for n in names if re.search(r"take\d*_.*multiply", n)]
+    assert dequant, names
+    alone = [n for n in names if re.fullmatch(r"take\d*", n)]
+    assert len(alone) <= 2, alone  # the embedding's lookups; every code lookup is fused
+    monkeypatch.setattr(lookups, "is_small_lookup", lambda name, func: False)
+    unfused = _cuda_plan(model, "bfloat16")
+    assert plan["static_plan_bytes"] < unfused["static_plan_bytes"], (plan["static_plan_bytes"],
+                                                                      unfused["static_plan_bytes"])

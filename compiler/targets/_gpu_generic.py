@@ -46,8 +46,10 @@ def legalize_passes(target, first_rules: tuple = (), tuned=None) -> list:
     `tuned`: a pass that schedules the kernels --tune found faster schedules for, first."""
     from tvm import relax
 
+    from ..passes.lookups import InjectiveLookups
+
     t = relax.transform
-    return [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
+    return [t.LegalizeOps(), t.AnnotateTIROpPattern(), InjectiveLookups, t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
             *([tuned] if tuned is not None else []), default_schedules(first_rules)]
 
 

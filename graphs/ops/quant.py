@@ -202,10 +202,10 @@ def _need(arrays, stem, suffixes):
 def nf4_codes(g, packed, v: dict):
     """code[b >> 4], code[b & 15] of every byte b of `packed` [..., k] -> float32 [..., k, 2] (`v`: the
     weight's inputs, code = v["nf4_code"]): a Gather into the 256 code pairs, indexed by the bytes.
-    Exact: each value is one of the 16 inputs. (A tree of 15 selects over the nibbles' bits, fused
-    into one kernel, saved the Gather's int32 indices and fp32 pairs in the compiled CUDA plan,
-    ~350 MB at a Llama-3-8B projection, but its kernels made the 8B NF4 step 195 ms slower on the
-    H200, at 1x2048 and at 4x2048 alike: docs/BENCHMARKS.md.)"""
+    Exact: each value is one of the 16 inputs. The compiler fuses the lookup with the bytes'
+    widening and the scale after it (compiler/passes/lookups.py): one kernel, no int32 indices or
+    fp32 pairs in memory. (A tree of 15 selects over the nibbles' bits fused too, but its kernels
+    made the 8B NF4 step 195 ms slower on the H200, at 1x2048 and at 4x2048 alike.)"""
     if "code_pairs" not in v:  # [256, 2], shared by every read of this weight
         v["code_pairs"] = g.op("Gather", v["nf4_code"], g.const(
             np.stack([np.arange(256) >> 4, np.arange(256) & 15], 1).astype(np.int32)))

@@ -76,8 +76,12 @@ def relax_passes(target) -> list:
 
     from .schedule import ParallelizeCPU
     from .tuning import TUNER
+    from ...passes.lookups import InjectiveLookups
     from ...tune import ApplyTuned
 
-    return (cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)
+    legalize = cpu_generic.legalize_passes(target)  # legalize, annotate, fold, fuse: small lookups fuse
+    at = [p.info.name for p in legalize].index("AnnotateTIROpPattern") + 1
+    legalize.insert(at, InjectiveLookups)
+    return (cpu_generic.library_dispatch_passes(target) + legalize
             + [ApplyTuned(target, TUNER), ParallelizeCPU(target)]
             + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))
