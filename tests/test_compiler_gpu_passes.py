@@ -137,8 +137,10 @@ def test_bf16_embedding_gathers_rows_not_the_table():
     """bf16 mode gathers the embedding rows from the bf16 table and widens only those: no fp32
     copy of the whole [vocab, hidden] table each step (622 MB for Qwen3-0.6B)."""
     main = _cuda_plan(_decoder(False), "bfloat16")["_mod"]["main"].script()
-    readers = [ln.strip() for ln in main.splitlines() if "(model_embed_tokens_weight," in ln]
-    assert any(r.startswith("take") for r in readers)  # the gather reads the bf16 table itself
+    readers = [ln.strip() for ln in main.splitlines() if re.search(r"[(,] ?model_embed_tokens_weight,", ln)
+               and not ln.strip().startswith(("def ", "R.call_packed(\"vm.builtin"))]
+    # the gather reads the bf16 table itself (a table this small fuses with its index arithmetic)
+    assert any("take" in r.split("(")[0] for r in readers), readers
     assert not any(r.startswith(("cast", "fused_cast")) for r in readers), readers
 
 
