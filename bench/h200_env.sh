@@ -23,4 +23,7 @@ if [ "${1:-}" = compiler ]; then
   unset TVM_USE_RUNTIME_LIB
   export PATH=$PATH:$(ls -d /usr/local/cuda*/bin 2>/dev/null | head -1)
 fi
+# the cuDNN frontend dlopens libcudnn.so.9 by name: the nvidia-cudnn-cu13 wheel's folder on the path
+so=$(python3 -c 'import glob,site; print(*[g for p in site.getsitepackages() for g in glob.glob(p+"/nvidia/*/lib/libcudnn.so.9")][:1])')
+[ -n "$so" ] && export LD_LIBRARY_PATH=$(dirname "$so"):${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -17,8 +17,6 @@ for t in $D/*.tar.xz; do
   [ -d "$D/$n" ] || tar -xJf "$t" -C $D
 done
 source bench/h200_env.sh > /tmp/h200_env.log 2>&1; tail -n 1 /tmp/h200_env.log
-so=$(python3 -c 'import glob,site; print(*[g for p in site.getsitepackages() for g in glob.glob(p+"/nvidia/*/lib/libcudnn.so.9")][:1])')
-[ -n "$so" ] && export LD_LIBRARY_PATH=$(dirname "$so"):${LD_LIBRARY_PATH:-}
 if [ -f $D/peers.tar.xz ]; then
   mkdir -p /tmp/peers && [ -d /tmp/peers/unsloth ] || tar -xJf $D/peers.tar.xz -C /tmp/peers
   export PYTHONPATH=/tmp/peers:$PYTHONPATH HF_HUB_OFFLINE=1

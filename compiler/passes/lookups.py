@@ -13,7 +13,8 @@ A gather is injective (each output element reads one input element, at an addres
 from its own index), as Relay registered `take`: this pass marks the takes whose table holds
 at most LOOKUP_MAX values injective, so FuseOps makes the widening, the lookup, the scale
 and the cast one kernel that reads the packed bytes and writes the dequantized weight.
-Embedding lookups (tables of vocabulary x hidden) keep TVM's pattern: nothing changes there.
+A real model's embedding lookups (tables of vocabulary x hidden, millions of values) keep
+TVM's pattern: nothing changes there (a toy model's table under the bound fuses too).
 Runs between AnnotateTIROpPattern and FuseOps; the values are unchanged (the same loads and
 the same arithmetic, in one kernel).
 """
