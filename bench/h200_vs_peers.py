@@ -285,7 +285,7 @@ def lorac_case(cache: str, case: str, steps: int = 10, tune: int = 0) -> dict:
     sys.modules["torch"] = None
     eng, spec, optim, m, batches, base = case_engine(cache, case, tune)
     B, S = CASES[case][2], CASES[case][3]
-    times, losses, mem = [], [], {}
+    times, losses, mem = [], [], {"loaded": round((_gpu_used() - base) / 1e9, 2)}
     t_first = time.perf_counter()
     for t in range(1, steps + 4):
         ids = batches[t % len(batches)]
@@ -297,6 +297,7 @@ def lorac_case(cache: str, case: str, steps: int = 10, tune: int = 0) -> dict:
             first_s = time.perf_counter() - t_first
             mem["after_first_step"] = round((_gpu_used() - base) / 1e9, 2)
     step_s = float(np.median(times[3:]))
+    mem["after_steps"] = round((_gpu_used() - base) / 1e9, 2)
     parts = _parts(eng, optim, batches)
     plan = m.get("memory", {})
     return dict(lorac=case, B=B, S=S, step_ms=round(step_s * 1e3, 2), tok_s=round(B * S / step_s),
