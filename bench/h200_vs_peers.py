@@ -15,7 +15,8 @@ AdamW update with clipping (engine.update; its grad-norm read syncs again). Each
 a process of its own (lorac without torch), then its peers (bench/peer_lora_gpu.py), so the
 GPU memory figures are per run: lorac's is the device memory in use after the steps minus what
 the process held before loading anything (TVM's pool keeps the step's peak); the peers' is
-torch's peak allocated (and reserved). MFU = model FLOPs / step time / 790 TFLOP/s (the bf16
+torch's peak allocated (and reserved) and, for the fast peers (run through bench/peer_in_use.py),
+the same measure as lorac's: in use after the steps less the bare context. MFU = model FLOPs / step time / 790 TFLOP/s (the bf16
 GEMM rate measured on this H200 class), with FLOPs = 4 x matmul parameters x tokens (forward
 and input-gradient GEMMs; LoRA has no weight gradients) + 6 x L x B x S^2 x H x Dh (causal
 attention, forward and backward).
@@ -354,7 +355,8 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
         else:
             commands = [(",".join(modes), ["peer_lora_gpu.py", peer_model, f"{B}x{S}", *modes])] if modes else []
         fast_script = os.environ.get("PEER_FAST", str(HERE / "peer_fast_gpu.py"))
-        commands += [(mode, [fast_script, f"{peer_model}:{B}x{S}:{mode}"]) for mode in fast]
+        commands += [(mode, ["peer_in_use.py", str(HERE / fast_script), f"{peer_model}:{B}x{S}:{mode}"])
+                     for mode in fast]  # (HERE / an absolute path is that path)
         for label, cmd in commands:
             try:
                 p = subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]], capture_output=True, text=True,
@@ -369,14 +371,15 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
                 x["mfu"] = round(model_flops(cfg, B, S) / (x["step_ms"] / 1e3) / PEAK, 3)
             print(json.dumps(x), flush=True)
         rows.append((mine, peers))
-    print("\n| case | lorac ms | lorac GB | lorac MFU | peer | peer ms | peer GB (alloc/reserved) | peer MFU | peer ms / lorac ms |")
+    print("\n| case | lorac ms | lorac GB | lorac MFU | peer | peer ms | peer GB (in use/alloc/reserved) | peer MFU "
+          "| peer ms / lorac ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mine, peers in rows:
         for x in peers or [{"mode": "-"}]:
             ratio = round(x["step_ms"] / mine["step_ms"], 2) if "step_ms" in x and "step_ms" in mine else "-"
             print(f"| {mine['lorac']} | {mine.get('step_ms', mine.get('error'))} | {mine.get('mem_gb', '-')} | "
                   f"{mine.get('mfu', '-')} | {x['mode']} | {x.get('step_ms', x.get('error', '-'))} | "
-                  f"{x.get('peak_gb', '-')}/{x.get('reserved_gb', '-')} | {x.get('mfu', '-')} | {ratio} |")
+                  f"{x.get('in_use_gb', '-')}/{x.get('peak_gb', '-')}/{x.get('peak_reserved_gb', '-')} | {x.get('mfu', '-')} | {ratio} |")
 
 
 if __name__ == "__main__":
