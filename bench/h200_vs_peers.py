@@ -16,8 +16,8 @@ a process of its own (lorac without torch), then its peers (bench/peer_lora_gpu.
 GPU memory figures are per run: lorac's is the device memory in use after the steps minus what
 the process held before loading anything (TVM's pool keeps the step's peak); the peers' is
 torch's peak allocated (and reserved) and, for the fast peers (run through bench/peer_in_use.py),
-the same measure as lorac's: in use after the steps less the bare context. MFU = model FLOPs / step time / 790 TFLOP/s (the bf16
-GEMM rate measured on this H200 class), with FLOPs = 4 x matmul parameters x tokens (forward
+the same measure as lorac's: in use after the steps less the bare context. MFU = model FLOPs /
+step time / 790 TFLOP/s (the bf16 GEMM rate measured on this H200 class), with FLOPs = 4 x matmul parameters x tokens (forward
 and input-gradient GEMMs; LoRA has no weight gradients) + 6 x L x B x S^2 x H x Dh (causal
 attention, forward and backward).
 """
@@ -286,7 +286,10 @@ def lorac_case(cache: str, case: str, steps: int = 10, tune: int = 0) -> dict:
     sys.modules["torch"] = None
     eng, spec, optim, m, batches, base = case_engine(cache, case, tune)
     B, S = CASES[case][2], CASES[case][3]
-    times, losses, mem = [], [], {"loaded": round((_gpu_used() - base) / 1e9, 2)}
+    def in_use() -> float:  # GB this process holds beyond its bare CUDA context
+        return round((_gpu_used() - base) / 1e9, 2)
+
+    times, losses, mem = [], [], {"loaded": in_use()}
     t_first = time.perf_counter()
     for t in range(1, steps + 4):
         ids = batches[t % len(batches)]
@@ -296,13 +299,13 @@ def lorac_case(cache: str, case: str, steps: int = 10, tune: int = 0) -> dict:
         losses.append(round(loss, 5))
         if t == 1:
             first_s = time.perf_counter() - t_first
-            mem["after_first_step"] = round((_gpu_used() - base) / 1e9, 2)
+            mem["after_first_step"] = in_use()
     step_s = float(np.median(times[3:]))
-    mem["after_steps"] = round((_gpu_used() - base) / 1e9, 2)
+    mem["after_steps"] = in_use()
     parts = _parts(eng, optim, batches)
     plan = m.get("memory", {})
     return dict(lorac=case, B=B, S=S, step_ms=round(step_s * 1e3, 2), tok_s=round(B * S / step_s),
-                mem_gb=round((_gpu_used() - base) / 1e9, 2), plan_gb=round(plan.get("static_plan_bytes", 0) / 1e9, 2),
+                mem_gb=in_use(), plan_gb=round(plan.get("static_plan_bytes", 0) / 1e9, 2),
                 first_step_s=round(first_s, 2), losses=losses[:3] + losses[-2:],
                 mfu=round(model_flops(CASES[case][0], B, S) / step_s / PEAK, 3), parts_ms=parts, mem_stages_gb=mem)
 
@@ -356,7 +359,7 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
             commands = [(",".join(modes), ["peer_lora_gpu.py", peer_model, f"{B}x{S}", *modes])] if modes else []
         fast_script = os.environ.get("PEER_FAST", str(HERE / "peer_fast_gpu.py"))
         commands += [(mode, ["peer_in_use.py", str(HERE / fast_script), f"{peer_model}:{B}x{S}:{mode}"])
-                     for mode in fast]  # (HERE / an absolute path is that path)
+                     for mode in fast]  # HERE / PEER_FAST: relative to bench/, or an absolute path as it is
         for label, cmd in commands:
             try:
                 p = subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]], capture_output=True, text=True,
@@ -379,7 +382,8 @@ def device(cache: str, cases: list[str], peer_timeout: int) -> None:
             ratio = round(x["step_ms"] / mine["step_ms"], 2) if "step_ms" in x and "step_ms" in mine else "-"
             print(f"| {mine['lorac']} | {mine.get('step_ms', mine.get('error'))} | {mine.get('mem_gb', '-')} | "
                   f"{mine.get('mfu', '-')} | {x['mode']} | {x.get('step_ms', x.get('error', '-'))} | "
-                  f"{x.get('in_use_gb', '-')}/{x.get('peak_gb', '-')}/{x.get('peak_reserved_gb', '-')} | {x.get('mfu', '-')} | {ratio} |")
+                  f"{x.get('in_use_gb', '-')}/{x.get('peak_gb', '-')}/{x.get('peak_reserved_gb', '-')} | "
+                  f"{x.get('mfu', '-')} | {ratio} |")
 
 
 if __name__ == "__main__":
