@@ -22,7 +22,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _gemm_node(sig: dict):
+def _gemm_node(sig: dict, elem=None):
     """A one-node graph of a profile's MatMul-like node from its shapes (Gemm's and FusedMatMul's
     transposes: the ones that give its output shape) -> (graph, input shapes, output shape,
     flops), or None where no reading fits."""
@@ -41,8 +41,9 @@ def _gemm_node(sig: dict):
     names = ["a", "b", "c"][:len(ins)]
     attrs = {} if op == "MatMul" else {"transA": ta, "transB": tb}
     node = helper.make_node(op, names, ["y"], domain="com.microsoft" if op == "FusedMatMul" else "", **attrs)
-    g = helper.make_graph([node], "mm", [helper.make_tensor_value_info(x, TensorProto.FLOAT, sh) for x, sh in zip(names, ins)],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)])
+    elem = TensorProto.FLOAT if elem is None else elem
+    g = helper.make_graph([node], "mm", [helper.make_tensor_value_info(x, elem, sh) for x, sh in zip(names, ins)],
+                          [helper.make_tensor_value_info("y", elem, out)])
     return g, dict(zip(names, ins)), out, 2.0 * float(np.prod(out)) * k
 
 
@@ -50,7 +51,7 @@ def gemms(args) -> dict:
     """The MatMul-like shapes of a profile (args.shapes: analyse's matmul_shapes), the most flops a
     step first, each timed alone on the device until args.limit: fp32, inputs and output on the
     device; one run and a read of a one-element tensor (the queue drained) for an estimate, then
-    enough runs for ~30 ms (2 to 20) and one read -> ms a run per shape (and the provider that ran
+    enough runs for ~30 ms (2 to 20) and one read -> ms a run per shape (--dtype float16: fp16 operands and product) (and the provider that ran
     it), the sum over a step's counts, and the share of the step's MatMul flops timed."""
     if args.stand_in:
         sys.path.insert(0, str(REPO / "tests"))
@@ -63,7 +64,10 @@ def gemms(args) -> dict:
     dev, _ = ort_webgpu.open_device(ort, ort_webgpu.options())
     vals, rng = eo.DeviceValues(ort, dev), np.random.default_rng(0)
     sync = vals.put({"s": np.zeros(1, np.float32)})["s"]
-    sigs = [(sig, _gemm_node(sig)) for sig in json.loads(Path(args.shapes).read_text())]
+    from onnx import TensorProto
+    dt = np.dtype(args.dtype)
+    sigs = [(sig, _gemm_node(sig, TensorProto.FLOAT16 if dt == np.float16 else TensorProto.FLOAT))
+            for sig in json.loads(Path(args.shapes).read_text())]
     sigs.sort(key=lambda x: -(x[1][3] * x[0]["count"] if x[1] else 0))
     all_flop = sum(b[3] * sig["count"] for sig, b in sigs if b)
     rows, total, timed_flop, t_end = [], 0.0, 0.0, time.perf_counter() + args.limit
@@ -78,8 +82,8 @@ def gemms(args) -> dict:
         model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
                                   ir_version=9)
         s = eo.Session(ort, model, so, None)
-        ins = vals.put({x: rng.standard_normal(sh, np.float32) for x, sh in shapes.items()})
-        outs = {"y": vals.empty(out_shape)}
+        ins = vals.put({x: rng.standard_normal(sh, np.float32).astype(dt) for x, sh in shapes.items()})
+        outs = {"y": vals.empty(out_shape, dt)}
         s.run(ins, outs)  # the shader built
         vals.read([sync])
         t0 = time.perf_counter()
@@ -95,7 +99,7 @@ def gemms(args) -> dict:
                      "on": sorted(s.placement())})
         total += ms * sig["count"]
         timed_flop += flop * sig["count"]
-    return {"matmul_ms_per_step": round(total, 1), "timed": sum("ms" in r for r in rows),
+    return {"dtype": dt.name, "matmul_ms_per_step": round(total, 1), "timed": sum("ms" in r for r in rows),
             "flop_share_timed": round(timed_flop / all_flop, 3) if all_flop else None,
             "tflops_overall": round(timed_flop / total / 1e9, 2) if total else None, "shapes": rows}
 
@@ -104,6 +108,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("shapes")
     ap.add_argument("--limit", type=float, default=25.0, help="seconds for the shapes; the rest are skipped")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                    help="the operands' and product's type (float16: the adapter's shader-f16)")
     ap.add_argument("--stand-in", action="store_true", help="the CPU standing in for the WebGPU adapter (no GPU)")
     print(json.dumps(gemms(ap.parse_args())), flush=True)
 
