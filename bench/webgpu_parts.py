@@ -119,7 +119,22 @@ def fp16_graph(model, scale: float):
     return float16.convert_float_to_float16(m, keep_io_types=True, op_block_list=FP32_OPS, node_block_list=keep)
 
 
-PATCHES = {"base": None, "no-attention": _no_attention, "lean": _lean, "fp16": None}
+def _unfused(names):
+    """onnxruntime's graph optimizers `names` off in every session (their fusions of a Transpose or
+    an Add into a GEMM: FusedMatMul, Gemm with transA/transB or C)."""
+    def patch(att) -> None:
+        import onnxruntime as ort
+        made = ort.InferenceSession
+
+        def session(*a, **kw):
+            return made(*a, **{**kw, "disabled_optimizers": list(names)})
+        ort.InferenceSession = session
+    return patch
+
+
+PATCHES = {"base": None, "no-attention": _no_attention, "lean": _lean, "fp16": None,
+           "unfused-transpose": _unfused(["MatmulTransposeFusion"]),
+           "unfused": _unfused(["MatmulTransposeFusion", "MatMulAddFusion", "GemmTransposeFusion"])}
 
 
 def child(args) -> dict:
@@ -144,7 +159,9 @@ def child(args) -> dict:
     step_s = float(np.median(times[args.warm:]))
     return dict(case=args.case, variant=args.variant, step_ms=round(step_s * 1e3, 2),
                 times_ms=[round(t * 1e3, 1) for t in times], losses=[round(float(x), 6) for x in losses],
-                setup_s=round(c.setup_s, 1), gpu_used_gb=ws.gpu_used_gb(), **ws.placement(c.eng))
+                setup_s=round(c.setup_s, 1), gpu_used_gb=ws.gpu_used_gb(), **ws.placement(c.eng),
+                gemm_ops={ep: {op: n for op, n in ops.items() if op in ("MatMul", "Gemm", "FusedMatMul", "Transpose")}
+                          for ep, ops in c.eng.placement.get("train", {}).items()})
 
 
 def _compare(rec: dict, base: dict, grads: Path, base_grads: Path) -> None:
