@@ -102,6 +102,11 @@ CASES = {
                                                                  "offload": True}, []),
     "8b-4x2048-nf4e-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0},
                               ["fast:unsloth-4bit-gc"]),
+    # a 16 GB and a 24 GB card: what the memory beyond Unsloth's buys (more layers kept, fewer recomputed)
+    "8b-4x2048-nf4e-auto16": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 16.0},
+                              []),
+    "8b-4x2048-nf4e-auto24": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 24.0},
+                              []),
     "70b-1x2048-nf4e-offload": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
                                                                      "offload": True, "loss_chunk": 1024}, []),
     "70b-1x2048-nf4e-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 48.0},
