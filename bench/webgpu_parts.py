@@ -132,7 +132,15 @@ def _unfused(names):
     return patch
 
 
-PATCHES = {"base": None, "no-attention": _no_attention, "lean": _lean, "fp16": None,
+def _chunk(tokens: int):
+    """The loss in `tokens`-token chunks (the default: a chunk's fp32 logits within 512 MiB)."""
+    def patch(att) -> None:
+        from lorac.graphs.ops import loss
+        loss.auto_chunk = lambda vocab, n, budget=0: tokens
+    return patch
+
+
+PATCHES = {"base": None, "chunk1024": _chunk(1024), "chunk2048": _chunk(2048), "no-attention": _no_attention, "lean": _lean, "fp16": None,
            "unfused-transpose": _unfused(["MatmulTransposeFusion"]),
            "unfused": _unfused(["MatmulTransposeFusion", "MatMulAddFusion", "GemmTransposeFusion"])}
 
