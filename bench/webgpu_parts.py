@@ -4,8 +4,9 @@ the loss read back) of graph variants, each in a process of its own, in one GPU 
 onnxruntime's WebGPU plugin writes no GPU kernel times into its profile (bench/webgpu_profile.py),
 so this measures by taking parts away: the Qwen3-0.6B shape with 28, 2 and 1 layers (a layer's
 cost and what is not layers: embedding, LM head and loss, the update), the same with attention
-replaced by an identity (what attention costs), and candidate attention bodies (graphs/ops/
-attention.py) against the current one, with their losses and step-1 gradients compared.
+replaced by an identity (what attention costs), and candidates against the current graph with
+their losses and step-1 gradients compared: leaner attention bodies (graphs/ops/attention.py), an
+fp16 graph, onnxruntime's GEMM fusions off, larger loss chunks (docs/BENCHMARKS.md has the results).
 
 Here (the dev venv), and the CPU standing in for the adapter (no GPU; tests the plumbing):
     .venv/bin/python bench/webgpu_step.py prepare                      # .devcarry/webgpu
