@@ -141,7 +141,7 @@ def _chunk(tokens: int):
     return patch
 
 
-PATCHES = {"base": None, "chunk1024": _chunk(1024), "chunk2048": _chunk(2048), "no-attention": _no_attention, "lean": _lean, "fp16": None,
+PATCHES = {"base": None, "chunk16": _chunk(16), "chunk1024": _chunk(1024), "chunk2048": _chunk(2048), "no-attention": _no_attention, "lean": _lean, "fp16": None,
            "unfused-transpose": _unfused(["MatmulTransposeFusion"]),
            "unfused": _unfused(["MatmulTransposeFusion", "MatMulAddFusion", "GemmTransposeFusion"])}
 

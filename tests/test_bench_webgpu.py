@@ -87,3 +87,36 @@ def test_the_device_call_runs_with_the_cpu_standing_in(tmp_path):
     best = s["profile_case_best"]
     assert best["case"] == "tiny-1x64" and best["session_got"]["validationMode"] == "disabled"
     assert best["loss_rel_vs_base"] == 0 and best["losses"] == prof["losses"][:3]
+
+
+def test_parts_by_difference_run_with_the_cpu_standing_in(tmp_path):
+    """bench/webgpu_parts.py: the base, attention as identities (a different step: not compared),
+    and candidates compared with the base: the lean attention bodies and the unfused GEMMs equal it
+    on the CPU, the fp16 graph within fp16's rounding, the 16-token loss chunks to fp32 rounding."""
+    runs = ["base", "no-attention", "lean", "unfused", "fp16", "chunk16"]
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "webgpu_parts.py"), "device", str(tmp_path), "--stand-in",
+                        "--steps", "2", "--runs", ",".join(f"tiny-2x32:{v}" for v in runs)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "parts.json").read_text())
+    assert set(got) == {f"tiny-2x32:{v}" for v in runs}
+    base = got["tiny-2x32:base"]
+    assert len(base["losses"]) == 4 and base["step_ms"] > 0
+    assert "loss_rel_vs_base" not in got["tiny-2x32:no-attention"]
+    assert got["tiny-2x32:no-attention"]["losses"] != base["losses"]  # attention taken out changes the model
+    for v in ("lean", "unfused", "chunk16"):
+        assert got[f"tiny-2x32:{v}"]["loss_rel_vs_base"] <= 1e-5 and got[f"tiny-2x32:{v}"]["grad_cos_vs_base"] >= 0.99999, v
+    assert got["tiny-2x32:unfused"]["gemm_ops"]["CPUExecutionProvider"].get("Gemm", 0) == 0  # no Gemm fusion left
+    assert base["gemm_ops"]["CPUExecutionProvider"].get("Gemm", 0) > 0
+    fp16 = got["tiny-2x32:fp16"]
+    assert fp16["loss_rel_vs_base"] <= 1e-2 and fp16["grad_cos_vs_base"] >= 0.999
+
+
+def test_gemms_alone_in_fp16_with_the_cpu_standing_in(tmp_path):
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps([{"op": "MatMul", "inputs": [[64, 32], [32, 48]], "output": [[64, 48]], "count": 3}]))
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "webgpu_gemms.py"), str(shapes), "--stand-in",
+                        "--dtype", "float16"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["dtype"] == "float16" and out["timed"] == 1 and out["shapes"][0]["ms"] > 0
