@@ -51,8 +51,9 @@ def gemms(args) -> dict:
     """The MatMul-like shapes of a profile (args.shapes: analyse's matmul_shapes), the most flops a
     step first, each timed alone on the device until args.limit: fp32, inputs and output on the
     device; one run and a read of a one-element tensor (the queue drained) for an estimate, then
-    enough runs for ~30 ms (2 to 20) and one read -> ms a run per shape (--dtype float16: fp16 operands and product) (and the provider that ran
-    it), the sum over a step's counts, and the share of the step's MatMul flops timed."""
+    enough runs for ~30 ms (2 to 20) and one read -> ms a run per shape (and the provider that ran
+    it), the sum over a step's counts, and the share of the step's MatMul flops timed. --dtype
+    float16: fp16 operands and product."""
     if args.stand_in:
         sys.path.insert(0, str(REPO / "tests"))
         import webgpu_stand_in
@@ -64,10 +65,9 @@ def gemms(args) -> dict:
     dev, _ = ort_webgpu.open_device(ort, ort_webgpu.options())
     vals, rng = eo.DeviceValues(ort, dev), np.random.default_rng(0)
     sync = vals.put({"s": np.zeros(1, np.float32)})["s"]
-    from onnx import TensorProto
     dt = np.dtype(args.dtype)
-    sigs = [(sig, _gemm_node(sig, TensorProto.FLOAT16 if dt == np.float16 else TensorProto.FLOAT))
-            for sig in json.loads(Path(args.shapes).read_text())]
+    elem = helper.np_dtype_to_tensor_dtype(dt)
+    sigs = [(sig, _gemm_node(sig, elem)) for sig in json.loads(Path(args.shapes).read_text())]
     sigs.sort(key=lambda x: -(x[1][3] * x[0]["count"] if x[1] else 0))
     all_flop = sum(b[3] * sig["count"] for sig, b in sigs if b)
     rows, total, timed_flop, t_end = [], 0.0, 0.0, time.perf_counter() + args.limit

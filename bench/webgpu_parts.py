@@ -10,7 +10,7 @@ fp16 graph, onnxruntime's GEMM fusions off, larger loss chunks (docs/BENCHMARKS.
 
 Here (the dev venv), and the CPU standing in for the adapter (no GPU; tests the plumbing):
     .venv/bin/python bench/webgpu_step.py prepare                      # .devcarry/webgpu
-    .venv/bin/python bench/webgpu_parts.py device OUT --stand-in --cases tiny-2x32
+    .venv/bin/python bench/webgpu_parts.py device OUT --stand-in --runs tiny-2x32:base,tiny-2x32:lean
 There, carry [".devcarry/webgpu"]:
     source bench/webgpu_env.sh && python3 bench/webgpu_parts.py device $OUT/parts
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +29,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+import webgpu_profile as wp  # noqa: E402 - its child processes, steps and comparison with the base
 import webgpu_step as ws  # noqa: E402 - cases, setup, the full step
 
 for n in (1, 2):  # the 0.6B shape's layer count cut, for a layer's cost by difference
@@ -105,11 +106,11 @@ def fp16_graph(model, scale: float):
     nodes = list(m.graph.node)
     at = nodes.index(weight) + 1
     nodes.insert(at, helper.make_node("Mul", [weight.output[0], "grad_scale"], [scaled], name="head/grad_scale"))
-    for o in m.graph.output:  # every output (loss, gradient buckets) divided by the scale
-        for n in nodes:
-            n.output[:] = [x + "/scaled" if x == o.name else x for x in n.output]
-            n.input[:] = [x + "/scaled" if x == o.name else x for x in n.input]
-        nodes.append(helper.make_node("Mul", [o.name + "/scaled", "grad_unscale"], [o.name], name=f"out/unscale/{o.name}"))
+    outs = {o.name: o.name + "/scaled" for o in m.graph.output}  # every output (loss, gradients) divided by it
+    for n in nodes:
+        n.output[:] = [outs.get(x, x) for x in n.output]
+        n.input[:] = [outs.get(x, x) for x in n.input]
+    nodes += [helper.make_node("Mul", [x, "grad_unscale"], [o], name=f"out/unscale/{o}") for o, x in outs.items()]
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     m.graph.initializer.extend([helper.make_tensor("grad_scale", 1, [], [scale]),
@@ -141,7 +142,8 @@ def _chunk(tokens: int):
     return patch
 
 
-PATCHES = {"base": None, "chunk16": _chunk(16), "chunk1024": _chunk(1024), "chunk2048": _chunk(2048), "no-attention": _no_attention, "lean": _lean, "fp16": None,
+PATCHES = {"base": None, "no-attention": _no_attention, "lean": _lean, "fp16": None,  # fp16: a rewrite (child)
+           "chunk16": _chunk(16), "chunk1024": _chunk(1024), "chunk2048": _chunk(2048),
            "unfused-transpose": _unfused(["MatmulTransposeFusion"]),
            "unfused": _unfused(["MatmulTransposeFusion", "MatMulAddFusion", "GemmTransposeFusion"])}
 
@@ -155,39 +157,24 @@ def child(args) -> dict:
     if PATCHES[args.variant]:
         PATCHES[args.variant](attention)
     B, S = ws.CASES[args.case][2:]
-    c = ws.setup_case(args.case, "webgpu", rewrite=(lambda m: fp16_graph(m, float(B * S))) if args.variant == "fp16"
-                      else None)
+    fp16 = args.variant == "fp16"
+    c = ws.setup_case(args.case, "webgpu", rewrite=(lambda m: fp16_graph(m, float(B * S))) if fp16 else None)
     keep: dict = {}
-    times, losses = [], []
-    for t in range(1, args.warm + args.steps + 1):
-        t0 = time.perf_counter()
-        losses.append(ws.full_step(c, t, keep=keep if t == 1 else None))
-        times.append(time.perf_counter() - t0)
+    times, losses = wp.run_steps(c, args.warm + args.steps, keep)
     if args.save:
         np.savez(args.save, **keep)
     step_s = float(np.median(times[args.warm:]))
     return dict(case=args.case, variant=args.variant, step_ms=round(step_s * 1e3, 2),
                 times_ms=[round(t * 1e3, 1) for t in times], losses=[round(float(x), 6) for x in losses],
                 setup_s=round(c.setup_s, 1), gpu_used_gb=ws.gpu_used_gb(), **ws.placement(c.eng),
-                gemm_ops={ep: {op: n for op, n in ops.items() if op in ("MatMul", "Gemm", "FusedMatMul", "Transpose")}
+                gemm_ops={ep: {op: n for op, n in ops.items() if op in (*wp.MATMULS, "Transpose")}
                           for ep, ops in c.eng.placement.get("train", {}).items()})
-
-
-def _compare(rec: dict, base: dict, grads: Path, base_grads: Path) -> None:
-    if "losses" not in rec or "losses" not in base:
-        return
-    a, b = np.array(rec["losses"]), np.array(base["losses"])
-    rec["loss_rel_vs_base"] = float(f"{np.max(np.abs(a - b) / np.abs(b)):.3g}")
-    if grads.is_file() and base_grads.is_file():
-        g, h = np.load(grads), np.load(base_grads)
-        x = np.concatenate([g[k].ravel() for k in sorted(h.files)]).astype(np.float64)
-        y = np.concatenate([h[k].ravel() for k in sorted(h.files)]).astype(np.float64)
-        rec["grad_cos_vs_base"] = float(f"{x @ y / (np.linalg.norm(x) * np.linalg.norm(y)):.7f}")
 
 
 def device(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "children.log").write_text("")
     tmp = Path(tempfile.mkdtemp(prefix="lorac-wparts-"))
     deadline = time.perf_counter() + args.budget
     recs: dict = {}
@@ -197,20 +184,11 @@ def device(args) -> None:
         if left < 20:
             recs[run] = {"skipped": "budget"}
             continue
-        cmd = [sys.executable, __file__, "child", case, variant, "--steps", str(args.steps), "--warm", "2",
-               "--save", str(tmp / f"{case}-{variant}.npz")] + (["--stand-in"] if args.stand_in else [])
-        t0 = time.perf_counter()
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=min(args.timeout, left))
-            got = ws.json_lines(r.stdout)
-            rec = got[-1] if got else {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:400]}
-            with open(out / "children.log", "a") as log:
-                log.write(f"\n=== {run}\n{r.stderr[-8000:]}")
-        except subprocess.TimeoutExpired:
-            rec = {"error": f"timeout after {min(args.timeout, left):.0f} s"}
-        rec["wall_s"] = round(time.perf_counter() - t0, 1)
+        rec = wp._child(out, ["child", case, variant, "--steps", str(args.steps), "--warm", "2",
+                              "--save", str(tmp / f"{case}-{variant}.npz")], min(args.timeout, left), args.stand_in,
+                        __file__)
         if variant not in ("base", "no-attention"):  # a candidate: exact against the base?
-            _compare(rec, recs.get(f"{case}:base", {}), tmp / f"{case}-{variant}.npz", tmp / f"{case}-base.npz")
+            wp._compare(rec, recs.get(f"{case}:base", {}), tmp / f"{case}-{variant}.npz", tmp / f"{case}-base.npz")
         recs[run] = rec
         print(json.dumps({run: rec}), flush=True)
         (out / "parts.json").write_text(json.dumps(recs, indent=1))
@@ -219,6 +197,7 @@ def device(args) -> None:
                      int(deadline - time.perf_counter()))
         recs["eager"] = got[0] if got else {"error": "no output"}
         print(json.dumps({"eager": recs["eager"]}), flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     ms = lambda run: (recs.get(run) or {}).get("step_ms")  # noqa: E731
     print("\n| case:variant | step ms | loss rel vs base | grad cos vs base |")
     print("|---|---|---|---|")
@@ -226,14 +205,14 @@ def device(args) -> None:
         print(f"| {run} | {r.get('step_ms') or r.get('error') or r.get('skipped')} | "
               f"{r.get('loss_rel_vs_base', '-')} | {r.get('grad_cos_vs_base', '-')} |")
     full, l1, l2 = ms("q06-8x1024:base"), ms("q06l1-8x1024:base"), ms("q06l2-8x1024:base")
-    if ms("eager"):
-        print(json.dumps({"over_eager": {run: round(r["step_ms"] / ms("eager"), 2) for run, r in recs.items()
-                                         if r.get("step_ms") and run.startswith("q06-") and "no-attention" not in run}}))
+    if ms("eager"):  # the full 0.6B steps (not the cut or attention-less ones) over eager's
+        full_runs = [run for run in recs if run.startswith("q06-") and "no-attention" not in run and ms(run)]
+        print(json.dumps({"over_eager": {run: round(ms(run) / ms("eager"), 2) for run in full_runs}}))
     if l1 and l2:
         layer = l2 - l1
         derived = {"layer_ms": round(layer, 2), "not_layers_ms": round(l1 - layer, 2)}
         if full:
-            derived["layers_share_of_step"] = round(28 * layer / full, 3)
+            derived["layers_share_of_step"] = round(ws.QWEN3_06B["num_hidden_layers"] * layer / full, 3)
         a2 = ms("q06l2-8x1024:no-attention")
         if a2:
             derived["attention_ms_a_layer"] = round((l2 - a2) / 2, 2)

@@ -119,9 +119,9 @@ def _ungrouped(fb, x, dims, heads):
 
 
 def _masked_scores(fb, q, k, scale, dims, mask: Mask, positions=None):
-    """(scores [B, K, G, S, S] (times `scale`, unless None) with -1e30 where key j is not seen by query i, t = tanh(s/c)
-    before masking or None without a soft-cap). Seen: j <= i, and i - j < window if any,
-    and with `positions` [B, S] j >= i - positions[i] (the query's document)."""
+    """(scores [B, K, G, S, S] (times `scale`, unless None) with -1e30 where key j is not seen by
+    query i, t = tanh(s/c) before masking or None without a soft-cap). Seen: j <= i, and
+    i - j < window if any, and with `positions` [B, S] j >= i - positions[i] (the query's document)."""
     B, K, G, S, Dh = dims
     s = fb.matmul(_grouped(fb, q, dims), fb.transpose(k, 0, 2, 3, 1))  # [B, K, G*S, S]
     s = fb.reshape(s if scale is None else fb.op("Mul", s, scale), B, K, G, S, S)
