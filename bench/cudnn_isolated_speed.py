@@ -19,14 +19,10 @@ Variants (a name, the packed layout, lorac's attention.PACKED settings):
                         causal triangle computed, no host work per step)
   bias_unified          the same, the forward's implementation UNIFIED
   bias_fp32             the bias in fp32 (should cuDNN refuse a bf16 one)
-  positions             plain rows, causal, and a score modifier keeping key j for query i where
-                        i - j <= pos[i] (mask "positions": only the position ids are read)
-  positions_unified     the same, the forward's implementation UNIFIED
 and `engines`: every plan cuDNN's heuristics offer for the ragged_longest and bias graphs,
 each timed alone (forward plans with the default backward, and the other way round).
 What the runtime picks from this: attention.PACKED (ragged) and PACKED_MASK in
-compiler/targets/cuda/attention.py (ragged, bias or positions). `--only NAME,...` runs those
-variants alone (and no engines table unless named: engines:ragged_longest, engines:bias).
+compiler/targets/cuda/attention.py (ragged or bias).
 """
 from __future__ import annotations
 
@@ -52,11 +48,9 @@ VARIANTS = {  # name: (layout, settings); settings as attention.PACKED's keys
     "bias": ("bias", {}),
     "bias_unified": ("bias", {"implementation": "UNIFIED"}),
     "bias_fp32": ("bias", {"bias_dtype": "float32"}),  # in case cuDNN refuses a bf16 bias
-    "positions": ("positions", {}),
-    "positions_unified": ("positions", {"implementation": "UNIFIED"}),
 }
 SHORT = ("plain", "ragged_row", "ragged_longest", "ragged_groups_64", "ragged_groups_128", "ragged_groups_64_256",
-         "bias", "positions")
+         "bias")
 
 
 def datasets(ctx) -> dict:
@@ -95,8 +89,6 @@ def run_and_time(ctx, layout, fwd, bwd, pos, x, ref, check=True) -> dict:
     o, lse, dq, dk, dv = out.buffers()
     lse_b = lse if layout == "ragged" else torch.empty((B, H, S, 1), dtype=torch.float32, device=C.DEV)
     bufs = {**x, "o": o, "lse": lse_b, "dq": dq, "dk": dk, "dv": dv}
-    if layout == "positions":
-        bufs["pos"] = torch.from_numpy(np.ascontiguousarray(pos, np.int32)).to(C.DEV)
     if layout == "bias":
         wide = fwd[0].options.get("bias_dtype") == "float32"
         bufs["bias"] = torch.from_numpy(ctx["documents"].document_bias(pos)).to(C.DEV).to(
@@ -116,7 +108,7 @@ def run_and_time(ctx, layout, fwd, bwd, pos, x, ref, check=True) -> dict:
     backward()
     sync()
     if check and layout != "causal":
-        if layout in ("bias", "positions"):
+        if layout == "bias":
             lse[:B * S].copy_(lse_b.permute(0, 2, 1, 3).reshape(B * S, H, 1))
         res = out.checked(ref, B * S)
         res = {"ok": res["ok"], **{k: round(res[k]["cosine"], 7) for k in ("o", "dq", "dk", "dv")},
@@ -152,21 +144,17 @@ def outside_writes(ctx, fwd, bwd, docs, pos, x) -> int:
 def st_speed(ctx):
     res = {"variants": {}, "engines": {}}
     data = datasets(ctx)
-    only = [x for x in (getattr(C.ARGS, "only", None) or "").split(",") if x]
     for dname, (pos, x, ref, per_row) in data.items():
         res["variants"][dname] = table = {}
         res[f"{dname}_documents"] = {"per_row": (pos == 0).sum(1).tolist(), "longest": int(pos.max()) + 1}
         for name, (layout, settings) in VARIANTS.items():
-            if (only and name not in only and name != "plain") or (dname == "short" and name not in SHORT):
+            if dname == "short" and name not in SHORT:
                 continue
             try:
                 fwd, bwd, docs = build(ctx, layout, settings, pos, per_row)
                 r = run_and_time(ctx, layout, fwd, bwd, pos, x, ref)
                 r["engines"] = {"forward": [describe(p).get("engine") for p in fwd],
                                 "backward": [describe(p).get("engine") for p in bwd]}
-                if layout == "positions":  # cuDNN's causal mask beside the modifier, or the modifier's own
-                    r["causal"] = ["modifier" if not p.causal else "cudnn" for p in fwd + bwd]
-                    r["refused"] = [str(e).strip()[:300] for p in fwd[:1] + bwd[:1] for _, e in p.failed]
                 if docs is not None:
                     r["groups"] = [(g.lo, g.hi, g.max_seq, g.capacity) for g in docs.groups]
                     if len(docs.groups) > 1:
@@ -186,8 +174,7 @@ def st_speed(ctx):
                                                    else f"FAILED: {r.get('error', '')[:200]}"), flush=True)
     pos, x, ref, per_row = data["main"]
     for name in ("ragged_longest", "bias"):
-        if not only or f"engines:{name}" in only:
-            res["engines"][name] = engines(ctx, *VARIANTS[name], pos, x, ref, per_row)
+        res["engines"][name] = engines(ctx, *VARIANTS[name], pos, x, ref, per_row)
     res["ok"] = True  # informative: the choice is the reader's
     return res
 

@@ -7,11 +7,7 @@ strides; with a ragged offset, sequence b starts at element ragged[b] of the buf
 batch stride is not used) and holds seq_len[b] tokens; causal masking is within each
 sequence (top-left: query r sees keys 0..r); stats are the natural log-sum-exp of each
 scaled, masked score row (plus the bias [B|1, 1, S, S] where one is given); the backward
-recomputes the probabilities from them. A score modifier (score_mod, score_mod_bprop) is traced
-through the pointwise ops it calls (gen_index, sub, cmp_le, cmp_ge, logical_and, tensor_scalar,
-binary_select over graph tensors broadcast to the scores) and must select between the score and
-a fill; scores it does not keep are masked. REFUSE_MOD_BESIDE_CAUSAL makes a modifier beside
-the causal mask unsupported, as a cuDNN might. bf16 values are rounded to nearest even when written.
+recomputes the probabilities from them. bf16 values are rounded to nearest even when written.
 Every graph offers two plans (PLANS) that compute the same. So a test can check what lorac *describes* to
 cuDNN (dims, strides, which offsets go with which tensor, the stats layout), not cuDNN.
 """
@@ -23,10 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 __version__ = "emulated"
-data_type = SimpleNamespace(BFLOAT16="bfloat16", FLOAT="float32", INT32="int32", INT64="int64", HALF="float16",
-                            BOOLEAN="bool")
-scalar_type = SimpleNamespace(RUNTIME_PARAM="RUNTIME_PARAM", COMPILE_TIME_CONST="COMPILE_TIME_CONST")
-REFUSE_MOD_BESIDE_CAUSAL = False
+data_type = SimpleNamespace(BFLOAT16="bfloat16", FLOAT="float32", INT32="int32", INT64="int64", HALF="float16")
 heur_mode = SimpleNamespace(A="A", FALLBACK="FALLBACK")
 diagonal_alignment = SimpleNamespace(TOP_LEFT="TOP_LEFT", BOTTOM_RIGHT="BOTTOM_RIGHT")
 attention_implementation = SimpleNamespace(AUTO="AUTO", COMPOSITE="COMPOSITE", UNIFIED="UNIFIED")
@@ -75,49 +68,6 @@ class Tensor:
     def set_ragged_offset(self, t):
         self.ragged = t
         return self
-
-
-class Node:
-    """A pointwise op of a score modifier (the score itself: op "score")."""
-
-    def __init__(self, op, *args, **attrs):
-        self.op, self.args, self.attrs = op, args, attrs
-
-    def set_data_type(self, _dt):
-        return self
-
-
-SCORE = Node("score")
-
-
-def _tensors(node) -> list:
-    if isinstance(node, Tensor):
-        return [node]
-    return [t for a in getattr(node, "args", ()) for t in _tensors(a)]
-
-
-def _evaluate(node, ptrs: dict, b: int, S: int):
-    """The value of a modifier's op for batch entry b, broadcastable to the [S, S] scores."""
-    if isinstance(node, Tensor):  # dims [B|1, 1, S|1, S|1]
-        assert node.dim[1] == 1 and node.dim[2] in (1, S) and node.dim[3] in (1, S), f"emulated: {node.dim}"
-        base = (b if node.dim[0] > 1 else 0) * node.stride[0]
-        idx = base + np.arange(node.dim[2])[:, None] * node.stride[2] + np.arange(node.dim[3])[None, :] * node.stride[3]
-        return _view(ptrs[id(node)], node.data_type, int(idx.max()) + 1)[idx].astype(np.int64)
-    ev = [_evaluate(a, ptrs, b, S) for a in node.args if isinstance(a, (Node, Tensor))]
-    if node.op == "index":
-        return np.arange(S)[:, None] if node.attrs["axis"] == 2 else np.arange(S)[None, :]
-    if node.op == "const":
-        return node.attrs["value"]
-    ops = {"sub": np.subtract, "le": np.less_equal, "ge": np.greater_equal, "and": np.logical_and}
-    assert node.op in ops, f"emulated: {node.op} in a score modifier"
-    return ops[node.op](*ev)
-
-
-def _modifier(mod, graph):
-    """Trace a score modifier: (the mask node it keeps scores by, its fill value)."""
-    out = mod(graph, SCORE)
-    assert out.op == "select" and out.args[0] is SCORE and out.args[1].op == "const", "emulated: select(score, fill, mask)"
-    return out.args[2], out.args[1].attrs["value"]
 
 
 def _view(ptr: int, dtype: str, count: int) -> np.ndarray:
@@ -171,62 +121,25 @@ class pygraph:  # noqa: N801 - the frontend's name
     def tensor(self, dim, stride, data_type=None, name=""):
         return Tensor(dim, stride, data_type, name)
 
-    def _mask(self, kw, backward: bool) -> dict:
-        """(padding lengths, causal, the modifier's mask node) of an sdpa call's keywords."""
-        causal = bool(kw.get("use_causal_mask") or (kw.get("diagonal_band_right_bound") == 0
-                                                    and kw.get("diagonal_alignment") == "TOP_LEFT"))
-        mod = kw.get("score_mod")
-        assert causal or mod, f"emulated: causal attention or a score modifier ({kw})"
-        if mod and causal and REFUSE_MOD_BESIDE_CAUSAL:
-            raise RuntimeError("emulated: no plan for a score modifier beside the causal mask")
-        keep = None
-        if mod:
-            keep, fill = _modifier(mod, self)
-            assert fill == -np.inf, "emulated: the forward modifier fills with -inf"
-            if backward:
-                assert kw.get("score_mod_bprop"), "emulated: the backward needs score_mod_bprop too"
-                keep_b, fill_b = _modifier(kw["score_mod_bprop"], self)
-                assert fill_b == 0, "emulated: the bprop modifier zeroes the masked gradients"
-                keep = (keep, keep_b)
+    def _mask(self, kw):
+        causal = kw.get("use_causal_mask") or (kw.get("diagonal_band_right_bound") == 0
+                                               and kw.get("diagonal_alignment") == "TOP_LEFT")
+        assert causal, f"emulated: causal attention only ({kw})"
         lens = (kw["seq_len_q"], kw["seq_len_kv"]) if kw.get("use_padding_mask") else None
-        return dict(lens=lens, causal=causal, keep=keep)
+        return lens
 
     def sdpa(self, q, k, v, attn_scale, is_inference=True, name="", bias=None, implementation=None, **kw):
         o = Tensor(q.dim, q.stride, q.data_type, "o")
         stats = Tensor(q.dim[:3] + [1], [1, 1, 1, 1], "float32", "stats")
-        self.ops.append(("fwd", dict(q=q, k=k, v=v, o=o, stats=stats, scale=attn_scale, bias=bias, **self._mask(kw, False))))
+        self.ops.append(("fwd", dict(q=q, k=k, v=v, o=o, stats=stats, scale=attn_scale, lens=self._mask(kw), bias=bias)))
         return o, stats
 
     def sdpa_backward(self, q, k, v, o, do, stats, attn_scale, name="", bias=None, use_deterministic_algorithm=False,
                       max_total_seq_len_q=None, max_total_seq_len_kv=None, **kw):
         grads = [Tensor(x.dim, x.stride, x.data_type, f"d{x.name}") for x in (q, k, v)]
         self.ops.append(("bwd", dict(q=q, k=k, v=v, o=o, do=do, stats=stats, dq=grads[0], dk=grads[1], dv=grads[2],
-                                     scale=attn_scale, bias=bias, **self._mask(kw, True))))
+                                     scale=attn_scale, lens=self._mask(kw), bias=bias)))
         return grads
-
-    # the pointwise ops a score modifier calls
-    def gen_index(self, input, axis, compute_data_type=None, name=""):  # noqa: A002 - the frontend's names
-        assert input is SCORE and axis in (2, 3)
-        return Node("index", axis=axis)
-
-    def sub(self, a, b, compute_data_type=None, name=""):
-        return Node("sub", a, b)
-
-    def cmp_le(self, input, comparison, compute_data_type=None, name=""):  # noqa: A002
-        return Node("le", input, comparison)
-
-    def cmp_ge(self, input, comparison, compute_data_type=None, name=""):  # noqa: A002
-        return Node("ge", input, comparison)
-
-    def logical_and(self, a, b, compute_data_type=None, name=""):
-        return Node("and", a, b)
-
-    def tensor_scalar(self, value, scalar_type):
-        assert scalar_type in ("RUNTIME_PARAM", "COMPILE_TIME_CONST")
-        return Node("const", value=value)
-
-    def binary_select(self, input0, input1, mask, compute_data_type=None, name=""):
-        return Node("select", input0, input1, mask)
 
     def build(self, _heuristics):
         self.built = True
@@ -271,8 +184,7 @@ class pygraph:  # noqa: N801 - the frontend's name
         assert self.built and workspace
         ptrs = {id(t): int(p) for t, p in bindings.items()}
         for kind, a in self.ops:
-            keeps = a["keep"] if isinstance(a["keep"], tuple) else (a["keep"],)
-            for x in list(a.values()) + [t for k in keeps for t in _tensors(k)]:
+            for x in a.values():
                 if isinstance(x, Tensor):
                     assert id(x) in ptrs, f"emulated: {x.name} not bound"
                     assert x.ragged is None or id(x.ragged) in ptrs, f"emulated: ragged offset of {x.name} not bound"
@@ -283,20 +195,14 @@ class pygraph:  # noqa: N801 - the frontend's name
             q, k, v = (_read(a[n], ptrs, L) for n in "qkv")
             G = a["q"].dim[1] // a["k"].dim[1]
             bias = _bias(a["bias"], ptrs, B)
-            if a["keep"] is not None:  # the modifier's mask as -inf terms (the backward's two must agree)
-                S = a["q"].dim[2]
-                masks = [[np.broadcast_to(_evaluate(k, ptrs, b, S), (S, S)) for k in keeps] for b in range(B)]
-                assert all(np.array_equal(m[0], m[-1]) for m in masks), "emulated: score_mod and its bprop disagree"
-                bias = [bb + np.where(m[0], 0.0, -np.inf)[None] for bb, m in zip(bias, masks)]
-            causal = a["causal"]
             if kind == "fwd":
-                res = [_forward(qq, np.repeat(kk, G, 0), np.repeat(vv, G, 0), a["scale"], bb, causal)
+                res = [_forward(qq, np.repeat(kk, G, 0), np.repeat(vv, G, 0), a["scale"], bb)
                        for qq, kk, vv, bb in zip(q, k, v, bias)]
                 _write(a["o"], ptrs, L, [r[0] for r in res])
                 _write(a["stats"], ptrs, L, [r[1][..., None] for r in res])
             else:
                 o, do, stats = (_read(a[n], ptrs, L) for n in ("o", "do", "stats"))
-                res = [_backward(*x, a["scale"], G, causal) for x in zip(q, k, v, o, do, stats, bias)]
+                res = [_backward(*x, a["scale"], G) for x in zip(q, k, v, o, do, stats, bias)]
                 for i, n in enumerate(("dq", "dk", "dv")):
                     _write(a[n], ptrs, L, [r[i] for r in res])
 
@@ -318,26 +224,26 @@ def _bias(t, ptrs: dict, B: int) -> list:
     return out
 
 
-def _scores(q, kk, scale, bias=0.0, causal=True):
+def _scores(q, kk, scale, bias=0.0):
     L = q.shape[1]
     s = np.einsum("hid,hjd->hij", q, kk) * scale + (bias[:, :L, :L] if np.ndim(bias) else bias)
-    return np.where(np.tril(np.ones((L, L), bool)), s, -np.inf) if causal else s
+    return np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
 
 
-def _forward(q, kk, vv, scale, bias=0.0, causal=True):
+def _forward(q, kk, vv, scale, bias=0.0):
     if q.shape[1] == 0:
         return q.copy(), np.zeros(q.shape[:2])
-    s = _scores(q, kk, scale, bias, causal)
+    s = _scores(q, kk, scale, bias)
     m = s.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
     return np.einsum("hij,hjd->hid", np.exp(s - lse[..., None]), vv), lse
 
 
-def _backward(q, k, v, o, do, stats, bias, scale, G, causal=True):
+def _backward(q, k, v, o, do, stats, bias, scale, G):
     if q.shape[1] == 0:
         return q.copy(), k.copy(), v.copy()
     kk, vv = np.repeat(k, G, 0), np.repeat(v, G, 0)
-    p = np.exp(_scores(q, kk, scale, bias, causal) - stats)  # stats [H, L, 1]
+    p = np.exp(_scores(q, kk, scale, bias) - stats)  # stats [H, L, 1]
     dp = np.einsum("hid,hjd->hij", do, vv)
     ds = p * (dp - (do * o).sum(-1, keepdims=True)) * scale
     fold = lambda x: x.reshape(k.shape[0], G, *x.shape[1:]).sum(1)  # noqa: E731 - each kv head's group

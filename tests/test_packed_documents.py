@@ -198,7 +198,6 @@ def emulated(clean):
     import _cudnn_emulator as emulator
     attention._cudnn, attention._handle = emulator, emulator.create_handle()
     yield emulator
-    emulator.REFUSE_MOD_BESIDE_CAUSAL = False
 
 
 MODES = {  # name: (packed mask, PACKED settings)
@@ -209,8 +208,6 @@ MODES = {  # name: (packed mask, PACKED settings)
     "ragged-options": ("ragged", {"max_seq": "longest", "deterministic": True, "implementation": "UNIFIED",
                                   "engine": {"fwd": "emulated_1", "bwd": "emulated_1"}}),
     "bias": ("bias", {}),
-    "positions": ("positions", {}),
-    "positions-own-causal": ("positions", {}),  # cuDNN refusing a modifier beside its causal mask
 }
 
 
@@ -233,7 +230,6 @@ def test_plans_describe_each_document_to_cudnn(emulated, mode):
     length into groups of plans (documents of 1-2, 3-4 and 5 tokens) compute the same."""
     mask, settings = MODES[mode]
     attention.PACKED.update(settings)
-    emulated.REFUSE_MOD_BESIDE_CAUSAL = mode == "positions-own-causal"
     B, S, H, K, Dh, scale = 2, 80, 4, 2, 8, 0.3
     pos = rows((30, 1, 40, 9), (2, 2, 1, 2, 5, 40, 28)) if mask else rows((80,), (80,))
     attention.reserve_documents(8, 40)  # capacity 16 > 11 documents: empty sequences too
@@ -255,10 +251,6 @@ def test_plans_describe_each_document_to_cudnn(emulated, mode):
         feed({"position_ids": pos})
     if settings.get("engine"):
         assert fwd[0].graph.selected == bwd[0].graph.selected == 1
-    if mask == "positions":  # the causal spelling that built: cuDNN's own, or inside the modifier
-        from lorac.runtime.devices.cuda.sdpa import SCORE_CAUSAL
-        own = mode == "positions-own-causal"
-        assert all((p.causal is SCORE_CAUSAL) == own and len(p.failed) == 2 * own for p in fwd + bwd)
     rng = np.random.default_rng(3)
     x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
     pad = lambda h, dtype="bfloat16": _Buffer(((B + 1) * S * h * (Dh if dtype == "bfloat16" else 1),), dtype)  # noqa
@@ -267,8 +259,6 @@ def test_plans_describe_each_document_to_cudnn(emulated, mode):
     for n, a in x.items():
         ins[n].copyfrom(a)
     ins["bias"] = bias_buffer(pos)
-    ins["pos"] = _Buffer(pos.shape, "int32")
-    ins["pos"].copyfrom(pos.astype(np.int32))
     buffers = {**ins, **out}
     attention._run(fwd, [buffers[n] for n in fwd[0].names])
     attention._run(bwd, [buffers[n] for n in bwd[0].names])
@@ -286,7 +276,7 @@ def test_plans_describe_each_document_to_cudnn(emulated, mode):
 
 def test_unknown_masks_and_engines_are_refused(emulated):
     call = {"function": attention.PACKED_FWD, "B": 1, "S": 4, "H": 2, "K": 1, "Dh": 8, "scale": 0.5}
-    with pytest.raises(LoracError, match="masks documents by 'alibi'; this runtime knows ragged, bias, positions"):
+    with pytest.raises(LoracError, match="masks documents by 'alibi'; this runtime knows ragged, bias"):
         attention.build_plan({**call, "mask": "alibi"}, _Buffer)
     attention.PACKED["engine"] = {"fwd": "eng99"}
     with pytest.raises(LoracError, match="no fused attention plan for B=1 S=4 heads=2/1 head_dim=8 packed in 4 "
@@ -347,7 +337,7 @@ def test_document_bias_is_the_graph_mask():
     assert set(np.unique(bias).tolist()) <= {0.0, np.float32(MASKED)}
 
 
-@pytest.mark.parametrize("mask", ["ragged", "bias", "positions"])
+@pytest.mark.parametrize("mask", ["ragged", "bias"])
 def test_registered_functions_read_the_fed_documents(emulated, mask):
     """The path a compiled step takes, with TVM's runtime on the CPU and the emulator for cuDNN:
     prepare() builds, warms and registers the packed functions, the feeder fills the documents
@@ -365,7 +355,7 @@ def test_registered_functions_read_the_fed_documents(emulated, mask):
     dev = tvm.cpu()
     attention.prepare(manifest, dev)
     feed = attention.feeder(manifest)
-    assert (feed is None) == (mask != "ragged")
+    assert (feed is None) == (mask == "bias")
     rng = np.random.default_rng(5)
     t = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
     for docs in [((3, 7), (1, 1, 4, 4)), ((10,), (2, 8))]:
@@ -377,8 +367,7 @@ def test_registered_functions_read_the_fed_documents(emulated, mask):
         lse = t(np.zeros((B, S, H, 1) if mask == "ragged" else (B, H, S, 1), np.float32))
         if feed:
             feed({"position_ids": pos})
-        arg = {"ragged": lambda: t(pos), "bias": lambda: t(bf16(document_bias(pos))),
-               "positions": lambda: t(pos.astype(np.int32))}[mask]()
+        arg = t(pos) if mask == "ragged" else t(bf16(document_bias(pos)))
         tvm_ffi.get_global_func(attention.PACKED_FWD)(dv["q"], dv["k"], dv["v"], arg, o, lse)
         tvm_ffi.get_global_func(attention.PACKED_BWD)(dv["q"], dv["k"], dv["v"], o, dv["do"], lse, arg, dq, dk, dvv)
         want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)

@@ -385,30 +385,6 @@ def test_cuda_pipeline_masks_documents_by_a_bias(monkeypatch):
     assert cuda_attention.packed_mask(2, 9) == "ragged"
 
 
-def test_cuda_pipeline_masks_documents_by_positions(monkeypatch):
-    """With PACKED_MASK "positions" the packed calls take the position ids as int32 [B, S], cast
-    once and shared by every layer's forward and backward (cuDNN masks from them in a score
-    modifier); stats [B, H, S, 1]; no size limit."""
-    pytest.importorskip("tvm")
-    from tvm import relax
-    from lorac.compiler.targets.cuda import attention as cuda_attention
-    from test_compiler_gpu_passes import _cuda_plan
-    monkeypatch.setattr(cuda_attention, "PACKED_MASK", "positions")
-    monkeypatch.setattr(cuda_attention, "BIAS_MAX_BYTES", 0)
-    spec, train, model = _small_packed(checkpointing=True)
-    calls = []
-    relax.analysis.post_order_visit(_cuda_plan(model, "bfloat16")["_mod"]["main"], lambda e: isinstance(e, relax.Call)
-                                    and isinstance(e.op, relax.ExternFunc)
-                                    and e.op.global_symbol.startswith("lorac.attention") and calls.append(e))
-    assert len(calls) == 6
-    xs = [c.args[3 if c.op.global_symbol == "lorac.attention_packed_fwd" else 6] for c in calls]
-    assert all([int(d) for d in x.ty.shape.values] == [2, 9] and x.ty.dtype == "int32" for x in xs)
-    assert all(x.same_as(xs[0]) for x in xs)  # one cast for the step
-    fwd = next(c for c in calls if c.op.global_symbol == "lorac.attention_packed_fwd")
-    assert [int(d) for d in fwd.args[-1].ty.shape.values] == [2, spec.heads, 9, 1]
-    assert cuda_attention.packed_mask(2, 9) == "positions"
-
-
 def test_document_bias_kernel_equals_the_runtime_reference():
     """The bias the CUDA build computes (compiler/targets/cuda/attention.document_bias), built
     for the CPU and run on packed rows, equals runtime/devices/cuda/documents.document_bias,

@@ -20,9 +20,6 @@ call's "mask"; runtime/devices/cuda/sdpa.py builds the graphs):
   and -1e30 before (causal masking hides the keys after i), computed here once per step
   from the position ids by one elementwise kernel and passed in `pos`'s place; lse [B, H, S, 1].
   Used while the bias takes at most BIAS_MAX_BYTES, ragged past it.
-- "positions": plain rows, causal, with a cuDNN score modifier that keeps key j for query i
-  where i - j <= pos[b, i]: the position ids cast to int32 once per step and passed in
-  `pos`'s place; lse [B, H, S, 1]. No [B, 1, S, S] tensor, so no size limit.
 The softmax scale (a constant), the shapes and the mask go to the manifest's `unit_calls`,
 one entry per distinct call. The runtime (lorac.runtime.devices.cuda.attention) registers the functions: cuDNN
 plans built once per shape, executed on TVM's stream, so CUDA graphs capture them like the
@@ -52,11 +49,8 @@ BIAS_MAX_BYTES = PACKED_BIAS_MAX_BYTES  # "bias" while the [B, 1, S, S] bf16 bia
 
 
 def packed_mask(B: int, S: int) -> str:
-    """How the packed calls of [B, S] rows mask documents: "ragged", "bias" or "positions"
-    (module doc)."""
-    if PACKED_MASK == "bias":
-        return "bias" if 2 * B * S * S <= BIAS_MAX_BYTES else "ragged"
-    return PACKED_MASK
+    """How the packed calls of [B, S] rows mask documents: "ragged" or "bias" (module doc)."""
+    return "bias" if PACKED_MASK == "bias" and 2 * B * S * S <= BIAS_MAX_BYTES else "ragged"
 
 
 def document_bias(bb, pos, B: int, S: int):
@@ -114,7 +108,7 @@ def converters() -> dict:
 
     cache = _Narrowing()
     calls: list = []
-    biases: dict = {}  # (mask, position ids var) -> what the calls take (one per step, shared by every layer)
+    biases: dict = {}  # position ids var -> its documents' bias (one per step, shared by every layer)
 
     def masking(bb, pos, q):
         """(how this packed call masks documents, what it takes in pos's place)."""
@@ -122,10 +116,9 @@ def converters() -> dict:
         mask = packed_mask(B, S)
         if mask == "ragged":
             return mask, pos
-        if (mask, pos) not in biases:
-            biases[(mask, pos)] = document_bias(bb, pos, B, S) if mask == "bias" else \
-                bb.emit(relax.op.astype(pos, "int32"))
-        return mask, biases[(mask, pos)]
+        if pos not in biases:
+            biases[pos] = document_bias(bb, pos, B, S)
+        return mask, biases[pos]
 
     def record(fn, q, k, scale, mask=None):
         """Note the call; the scale travels in the manifest, not as an argument (a float

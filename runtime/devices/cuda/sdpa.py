@@ -13,12 +13,6 @@ Layouts (the `layout` argument):
           lies in query i's document, -1e30 before it: the CUDA build computes it from the
           position ids, compiler/targets/cuda/attention.py) and causal masking; stats
           [B, H, S, 1]. Every tile of the causal triangle is computed, as for plain rows.
-  positions  packed rows as plain rows with causal masking plus a score modifier reading the
-          position ids pos [B, S] int32 (as [B, 1, S, 1]): key j is kept for query i where
-          i - j <= pos[b, i] (at or after the start of i's document). No [B, 1, S, S] tensor;
-          cuDNN still skips the tiles above the diagonal. Where cuDNN refuses the modifier beside
-          its own causal mask, the modifier masks 0 <= i - j <= pos[b, i] itself (every tile
-          computed). stats [B, H, S, 1].
 Options (attention.PACKED, from the measurements in bench/cudnn_isolated_check.py):
 `deterministic` (the backward's use_deterministic_algorithm), `implementation` (the
 forward's AUTO / COMPOSITE / UNIFIED) and `engine` (the name of the plan to build instead of
@@ -27,15 +21,12 @@ the heuristics' first: the frontend's get_plan_name_at_index).
 from __future__ import annotations
 
 FWD_INPUTS = {"causal": ("q", "k", "v", "o", "lse"), "ragged": ("q", "k", "v", "o", "lse"),
-              "bias": ("q", "k", "v", "bias", "o", "lse"), "positions": ("q", "k", "v", "pos", "o", "lse")}
+              "bias": ("q", "k", "v", "bias", "o", "lse")}
 BWD_INPUTS = {"causal": ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"),
               "ragged": ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"),
-              "bias": ("q", "k", "v", "o", "do", "lse", "bias", "dq", "dk", "dv"),
-              "positions": ("q", "k", "v", "o", "do", "lse", "pos", "dq", "dk", "dv")}
-# ways to ask for the causal mask, tried in order until a plan builds (frontend versions differ);
-# the positions layout may also mask causally inside its score modifier (SCORE_CAUSAL)
+              "bias": ("q", "k", "v", "o", "do", "lse", "bias", "dq", "dk", "dv")}
+# ways to ask for the causal mask, tried in order until a plan builds (frontend versions differ)
 CAUSAL = ({"use_causal_mask": True}, {"diagonal_band_right_bound": 0, "diagonal_alignment": "TOP_LEFT"})
-SCORE_CAUSAL = {}
 
 
 def bshd(B, S, H, Dh) -> tuple[list, list]:
@@ -46,39 +37,6 @@ def bshd(B, S, H, Dh) -> tuple[list, list]:
 
 def round64(n: int) -> int:
     return max(64, -(-n // 64) * 64)
-
-
-def document_mask(c, pos, own_causal: bool, backward: bool) -> dict:
-    """The score modifiers (sdpa / sdpa_backward keywords) that keep key j for query i where
-    i - j <= pos[b, i] (and 0 <= i - j where `own_causal`): the forward's sets masked scores to
-    -inf; the backward recomputes them the same way and zeroes their gradients."""
-    i32, boolean = c.data_type.INT32, c.data_type.BOOLEAN
-
-    def kept(graph, score):
-        row, col = (graph.gen_index(input=score, axis=a, compute_data_type=i32) for a in (2, 3))
-        for x in (row, col):
-            x.set_data_type(i32)
-        back = graph.sub(a=row, b=col, compute_data_type=i32)
-        back.set_data_type(i32)
-        keep = graph.cmp_le(input=back, comparison=pos, compute_data_type=boolean)
-        keep.set_data_type(boolean)
-        if own_causal:
-            zero = graph.tensor_scalar(0, c.scalar_type.COMPILE_TIME_CONST)
-            ahead = graph.cmp_ge(input=back, comparison=zero, compute_data_type=boolean)
-            ahead.set_data_type(boolean)
-            keep = graph.logical_and(a=keep, b=ahead, compute_data_type=boolean)
-            keep.set_data_type(boolean)
-        return keep
-
-    def masked(fill):
-        def modify(graph, score):
-            value = graph.tensor_scalar(fill, c.scalar_type.COMPILE_TIME_CONST)
-            return graph.binary_select(input0=score, input1=value, mask=kept(graph, score))
-        return modify
-    mods = {"score_mod": masked(float("-inf"))}
-    if backward:
-        mods["score_mod_bprop"] = masked(0.0)
-    return mods
 
 
 class Plan:
@@ -93,10 +51,10 @@ class Plan:
         self.c, self.handle, self.scale, self.layout = cudnn, handle, scale, layout
         self.backward, self.docs, self.group, self.options = backward, docs, group, dict(options or {})
         self.names = (BWD_INPUTS if backward else FWD_INPUTS)[layout]
-        self.shapes = {"q": (B, S, H, Dh), "kv": (B, S, K, Dh), "bias": (B, 1, S, S), "pos": (B, S),
+        self.shapes = {"q": (B, S, H, Dh), "kv": (B, S, K, Dh), "bias": (B, 1, S, S),
                        "lse": (B, S, H, 1) if layout == "ragged" else (B, H, S, 1)}
         self.failed = []  # (causal spelling, cuDNN's error) of each spelling tried before the one built
-        for causal in CAUSAL + ((SCORE_CAUSAL,) if layout == "positions" else ()):
+        for causal in CAUSAL:
             try:
                 self._build(B, S, H, K, Dh, causal)
                 return
@@ -132,9 +90,6 @@ class Plan:
             dt = f32 if opt.get("bias_dtype") == "float32" else bf16
             t["bias"] = g.tensor([B, 1, S, S], [S * S, S * S, S, 1], data_type=dt, name="bias")
             mask["bias"] = t["bias"]
-        if self.layout == "positions":
-            t["pos"] = g.tensor([B, 1, S, 1], [S, S, 1, 1], data_type=c.data_type.INT32, name="pos")
-            mask.update(document_mask(c, t["pos"], own_causal=causal is SCORE_CAUSAL, backward=self.backward))
         if not self.backward:
             extra = {"implementation": getattr(c.attention_implementation, opt["implementation"])} \
                 if opt.get("implementation") else {}
