@@ -22,7 +22,7 @@ import torch  # noqa: F401  (the profiler only; lorac itself does not use torch)
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from h200_vs_peers import case_engine, full_step  # noqa: E402
+from h200_vs_peers import case_engine, full_step, pin_source  # noqa: E402
 
 GROUPS = [("cudnn", re.compile(r"cudnn|sdpa|fmha|flash", re.I)),
           ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|splitK|reduce_kernel", re.I)),
@@ -46,6 +46,7 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def main(cache: str, case: str, top: int = 40) -> None:
+    pin_source(cache)  # the cache's artifacts, whatever this checkout's source hash
     eng, _, optim, _, batches, _ = case_engine(cache, case)
     for t in range(1, 5):
         full_step(eng, optim, batches[t % len(batches)], t)
