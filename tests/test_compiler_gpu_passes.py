@@ -302,9 +302,48 @@ def test_nf4_dequantization_is_one_kernel(monkeypatch):
     names = [gv.name_hint for gv, f in plan["_mod"].functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     dequant = [n for n in names if re.search(r"take\d*_.*multiply", n)]
     assert dequant, names
+    # the bytes' negative-index wrap dropped (lookups.unwrap_unsigned_indices): one vectorized kernel
+    assert not [n for n in dequant if "less" in n or "where" in n], dequant
+    assert all(re.match(r"fused_cast\d*_take", n) for n in dequant), dequant
+    assert all("T.vectorized" in plan["_mod"][n].script() for n in dequant)
     alone = [n for n in names if re.fullmatch(r"take\d*", n)]
     assert len(alone) <= 2, alone  # the embedding's lookups; every code lookup is fused
     monkeypatch.setattr(lookups, "is_small_lookup", lambda name, func: False)
     unfused = _cuda_plan(model, "bfloat16")
     assert plan["static_plan_bytes"] < unfused["static_plan_bytes"], (plan["static_plan_bytes"],
                                                                       unfused["static_plan_bytes"])
+
+
+def test_only_widened_unsigned_indices_lose_their_wrap():
+    """ONNX Gather's negative-index wrap (TVM's frontend: where(i < 0, i + n, i)) goes where the
+    index is an unsigned value widened to a signed type, and stays for signed indices; the
+    lookups' values are unchanged."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+    from lorac.compiler.passes.lookups import unwrap_unsigned_indices
+    table = helper.make_tensor("table", TensorProto.FLOAT, [256], np.arange(256, dtype=np.float32) * 0.5)
+    nodes = [helper.make_node("Cast", ["u"], ["ui"], to=TensorProto.INT32),
+             helper.make_node("Gather", ["table", "ui"], ["from_u"]),
+             helper.make_node("Cast", ["s"], ["si"], to=TensorProto.INT32),
+             helper.make_node("Gather", ["table", "si"], ["from_s"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("u", TensorProto.UINT8, [6]),
+                                           helper.make_tensor_value_info("s", TensorProto.INT8, [6])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [6]) for n in ("from_u", "from_s")],
+                              initializer=[table])
+    mod = from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), keep_params_in_input=False)
+    where = tvm.ir.Op.get("relax.where")
+    count = lambda m: sum(isinstance(b.value, relax.Call) and b.value.op == where  # noqa: E731
+                          for f in m.functions.values() if isinstance(f, relax.Function)
+                          for blk in f.body.blocks for b in blk.bindings)
+    assert count(mod) == 2
+    out = unwrap_unsigned_indices(mod)
+    assert count(out) == 1  # the int8 index keeps its wrap
+    u, sgn = np.array([0, 1, 7, 128, 200, 255], np.uint8), np.array([0, 1, -1, -128, 127, -7], np.int8)
+    run = lambda m: [x.numpy() for x in relax.VirtualMachine(tvm.compile(m, "llvm"), tvm.cpu())["main"](  # noqa: E731
+        tvm.runtime.tensor(u), tvm.runtime.tensor(sgn))]
+    for a, b in zip(run(mod), run(out)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(run(out)[0], u.astype(np.float32) * 0.5)

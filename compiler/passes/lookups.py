@@ -21,6 +21,10 @@ the same arithmetic, in one kernel).
 from __future__ import annotations
 
 import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .rewrite import rewrite_functions
 
 LOOKUP_MAX = 4096  # values in a table whose lookups fuse (NF4 pairs: 512, GGUF's powers of two: 64)
 _INJECTIVE = 2     # tvm::relax::OpPatternKind::kInjective
@@ -53,3 +57,62 @@ def InjectiveLookups(mod, _ctx):  # noqa: N802 - a pass, named as TVM's
         if type(func).__name__ == "PrimFunc" and is_small_lookup(gv.name_hint, func):
             mod[gv] = func.with_attr("op_pattern", _INJECTIVE)
     return mod
+
+
+# -- indices that cannot be negative ---------------------------------------------------------
+# ONNX Gather allows negative indices, so TVM's frontend wraps every signed index as
+# where(idx < 0, idx + extent, idx). The dequantizations index their tables by bytes widened
+# to int32 (ONNX Gather takes no uint8 index): the wrap can never fire, yet its comparison
+# leaves a bool in the fused kernel, which keeps it off the vectorized schedule
+# (compiler/targets/_gpu_schedule.py) - one element a thread, a quarter of the bandwidth
+# (an 8B NF4 step: ~75 ms of dequantization). Dropped where the index is an unsigned value
+# widened to a signed type (values unchanged).
+
+def _bound(mutator, expr):
+    """What a dataflow var is bound to (the expression itself otherwise)."""
+    if isinstance(expr, relax.Var):
+        got = mutator.lookup_binding(expr)
+        return expr if got is None else got
+    return expr
+
+
+def _widened_unsigned(mutator, x) -> bool:
+    """x = astype(u) with u unsigned and the cast to a wider signed integer type."""
+    v = _bound(mutator, x)
+    if not (isinstance(v, relax.Call) and v.op == tvm.ir.Op.get("relax.astype")):
+        return False
+    src, dst = str(v.args[0].ty.dtype), str(v.ty.dtype)
+    return src.startswith("uint") and dst.startswith("int") and int(dst[3:] or 0) > int(src[4:] or 0)
+
+
+def _zero(mutator, c) -> bool:
+    c = _bound(mutator, c)
+    if not isinstance(c, tvm.ir.expr.Constant):
+        return False
+    v = c.value.numpy()
+    return v.size == 1 and int(v.reshape(())) == 0
+
+
+@mutator
+class _UnwrapUnsignedIndices(PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        op = tvm.ir.Op.get
+        if not (isinstance(call.op, tvm.ir.Op) and call.op == op("relax.where")):
+            return call
+        cond, wrapped, idx = call.args
+        c = _bound(self, cond)
+        if isinstance(c, relax.Call) and c.op == op("relax.less") and c.args[0].same_as(idx) \
+                and _zero(self, c.args[1]) and _widened_unsigned(self, idx):
+            w = _bound(self, wrapped)
+            if isinstance(w, relax.Call) and w.op == op("relax.add") and w.args[0].same_as(idx):
+                return idx
+        return call
+
+
+def unwrap_unsigned_indices(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every where(idx < 0, idx + n, idx) whose idx is a widened unsigned value -> idx (and the
+    aliases and the comparisons and adds left unused removed, so the widening fuses into the
+    lookup)."""
+    mod = relax.transform.CanonicalizeBindings()(rewrite_functions(_UnwrapUnsignedIndices(mod), mod))
+    return relax.transform.DeadCodeElimination()(mod)
