@@ -19,16 +19,11 @@ Variants (a name, the packed layout, lorac's attention.PACKED settings):
                         causal triangle computed, no host work per step)
   bias_unified          the same, the forward's implementation UNIFIED
   bias_fp32             the bias in fp32 (should cuDNN refuse a bf16 one)
-  columns               plain rows + a bias over keys only [B, 1, 1, S] fp32: RANK_GAP x each
-                        key's document index in its row (mask "columns": softmax ignores the
-                        value a query's own keys share; its stats carry it, subtracted here)
-  columns_bf16          the same bias in bf16
-  columns_full          the same bias described to cuDNN as [B, 1, S, S] with a zero query stride
 and `engines`: every plan cuDNN's heuristics offer for the ragged_longest and bias graphs,
 each timed alone (forward plans with the default backward, and the other way round).
 What the runtime picks from this: attention.PACKED (ragged) and PACKED_MASK in
-compiler/targets/cuda/attention.py (ragged, bias or columns). `--only NAME,...` (cudnn_isolated_check.py)
-runs those variants alone, and an engines table only where named (engines:ragged_longest, engines:bias).
+compiler/targets/cuda/attention.py (ragged or bias). `--only NAME,...` (cudnn_isolated_check.py) runs
+those variants alone, and an engines table only where named (engines:ragged_longest, engines:bias).
 """
 from __future__ import annotations
 
@@ -54,12 +49,9 @@ VARIANTS = {  # name: (layout, settings); settings as attention.PACKED's keys
     "bias": ("bias", {}),
     "bias_unified": ("bias", {"implementation": "UNIFIED"}),
     "bias_fp32": ("bias", {"bias_dtype": "float32"}),  # in case cuDNN refuses a bf16 bias
-    "columns": ("columns", {}),
-    "columns_bf16": ("columns", {"bias_dtype": "bfloat16"}),
-    "columns_full": ("columns", {"columns_view": "full"}),
 }
 SHORT = ("plain", "ragged_row", "ragged_longest", "ragged_groups_64", "ragged_groups_128", "ragged_groups_64_256",
-         "bias", "columns")
+         "bias")
 
 
 def datasets(ctx) -> dict:
@@ -74,7 +66,7 @@ def datasets(ctx) -> dict:
 def build(ctx, layout: str, settings: dict, pos, per_row: int, engines: dict | None = None):
     """(forward plans, backward plans, documents or None) of a variant, documents filled."""
     a, d = C.ARGS, ctx["documents"]
-    opts = {k: settings[k] for k in ("deterministic", "implementation", "bias_dtype", "columns_view") if settings.get(k)}
+    opts = {k: settings[k] for k in ("deterministic", "implementation", "bias_dtype") if settings.get(k)}
     docs = None
     if layout == "ragged":
         longest = int(pos.max()) + 1 if settings.get("max_seq", "longest") == "longest" else None
@@ -98,10 +90,10 @@ def run_and_time(ctx, layout, fwd, bwd, pos, x, ref, check=True) -> dict:
     o, lse, dq, dk, dv = out.buffers()
     lse_b = lse if layout == "ragged" else torch.empty((B, H, S, 1), dtype=torch.float32, device=C.DEV)
     bufs = {**x, "o": o, "lse": lse_b, "dq": dq, "dk": dk, "dv": dv}
-    if layout in ("bias", "columns"):
-        wide = fwd[0].bias_dtype == "float32"
-        bias = (ctx["documents"].document_bias if layout == "bias" else ctx["documents"].document_columns)(pos)
-        bufs["bias"] = torch.from_numpy(bias).to(C.DEV).to(torch.float32 if wide else torch.bfloat16)
+    if layout == "bias":
+        wide = fwd[0].options.get("bias_dtype") == "float32"
+        bufs["bias"] = torch.from_numpy(ctx["documents"].document_bias(pos)).to(C.DEV).to(
+            torch.float32 if wide else torch.bfloat16)
     fb, bb = [bufs[n] for n in fwd[0].names], [bufs[n] for n in bwd[0].names]
     ws = att._workspace["ptr"]
     set_stream(att)
@@ -117,9 +109,8 @@ def run_and_time(ctx, layout, fwd, bwd, pos, x, ref, check=True) -> dict:
     backward()
     sync()
     if check and layout != "causal":
-        if layout in ("bias", "columns"):  # columns: less the bias a query's own keys share
-            own = bufs["bias"].float().reshape(B, 1, S, 1) if layout == "columns" else 0.0
-            lse[:B * S].copy_((lse_b - own).permute(0, 2, 1, 3).reshape(B * S, H, 1))
+        if layout == "bias":
+            lse[:B * S].copy_(lse_b.permute(0, 2, 1, 3).reshape(B * S, H, 1))
         res = out.checked(ref, B * S)
         res = {"ok": res["ok"], **{k: round(res[k]["cosine"], 7) for k in ("o", "dq", "dk", "dv")},
                "guard_untouched": all(res["guard_untouched"].values())}

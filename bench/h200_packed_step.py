@@ -8,8 +8,7 @@ gradients against the fp32 CPU step of each document alone (loss 1e-2 relative, 
 
 prepare compiles, the way bench/h200_vs_peers.py prepares its cases (its helpers): the plain
 step and the isolated one, once for each way the CUDA build masks documents
-(compiler/targets/cuda/attention.py PACKED_MASK: CACHE/ragged with the plain step, CACHE/bias,
-CACHE/columns),
+(compiler/targets/cuda/attention.py PACKED_MASK: CACHE/ragged with the plain step, CACHE/bias),
 with the optimizer; and for the
 equality a small Qwen3 (2 layers, GQA 4/2, head_dim 64) at 4x256, isolated, bf16 CUDA in both
 masks, with its inputs (random weights, LoRA A and B, packed rows) and the reference: the
@@ -25,7 +24,7 @@ device runs each part in a process of its own and prints one JSON line each, the
                   the order swapped every round; medians and isolated / plain
 VARIANTS: ragged (the runtime's default settings: plans of S tokens, as first built),
 ragged_longest (plans as long as the longest document), ragged_groups_128 (and documents
-split at 128 tokens), bias (the bias build), columns (the key-bias build); or MASK=JSON, the
+split at 128 tokens), bias (the bias build); or MASK=JSON, the
 runtime's attention.PACKED settings for an artifact of that mask: 'ragged={"bounds": [64, 256]}'. `--stand-in cpu`
 runs the same flow with small CPU fp32 artifacts (tests/test_packed_step.py), no GPU.
 """
@@ -43,13 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import h200_vs_peers as hv  # noqa: E402
 from cudnn_isolated_common import row_lengths  # noqa: E402
 
-MASKS = ("ragged", "bias", "columns")
+MASKS = ("ragged", "bias")
 VARIANTS = {  # name: (the artifact's mask, runtime attention.PACKED settings)
     "ragged": ("ragged", {}),
     "ragged_longest": ("ragged", {"max_seq": "longest"}),
     "ragged_groups_128": ("ragged", {"max_seq": "longest", "bounds": (128,)}),
     "bias": ("bias", {}),
-    "columns": ("columns", {}),
 }
 SMALL = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
@@ -218,13 +216,11 @@ def prepare(cache: str, stand_in: str | None) -> None:
     s = setup(stand_in)
     t0 = time.time()
     # CACHE/ragged: the plain step, the isolated one masking documents as ragged sequences and the
-    # optimizer; CACHE/bias and CACHE/columns: the isolated step masking them by a bias or a key
-    # bias, and the optimizer. The CPU
+    # optimizer; CACHE/bias: the isolated step masking them by a bias, and the optimizer. The CPU
     # stand-in has no masks (its attention is inlined): CACHE/ragged alone
     for mask, case, kind in [("ragged", s["plain"], "train"), ("ragged", s["isolated"], "train"),
                              ("ragged", s["plain"], "adamw"), ("bias", s["isolated"], "train"),
-                             ("bias", s["plain"], "adamw"), ("columns", s["isolated"], "train"),
-                             ("columns", s["plain"], "adamw")][:None if not stand_in else 3]:
+                             ("bias", s["plain"], "adamw")][:None if not stand_in else 3]:
         art = with_mask(mask, lambda: hv._engine(case, str(root / mask), target=s["target"])[0].compile(kind))
         m = json.loads((art / "manifest.json").read_text())
         print(mask, case, kind, art.name, [c.get("mask") for c in m.get("unit_calls", [])], flush=True)

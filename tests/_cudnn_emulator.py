@@ -6,7 +6,7 @@ writing host memory at the bound addresses: a tensor is dims [B, H, S, D] with e
 strides; with a ragged offset, sequence b starts at element ragged[b] of the buffer (the
 batch stride is not used) and holds seq_len[b] tokens; causal masking is within each
 sequence (top-left: query r sees keys 0..r); stats are the natural log-sum-exp of each
-scaled, masked score row (plus the bias [B|1, 1, S|1, S] where one is given); the backward
+scaled, masked score row (plus the bias [B|1, 1, S, S] where one is given); the backward
 recomputes the probabilities from them. bf16 values are rounded to nearest even when written.
 Every graph offers two plans (PLANS) that compute the same. So a test can check what lorac *describes* to
 cuDNN (dims, strides, which offsets go with which tensor, the stats layout), not cuDNN.
@@ -208,11 +208,10 @@ class pygraph:  # noqa: N801 - the frontend's name
 
 
 def _bias(t, ptrs: dict, B: int) -> list:
-    """Per batch entry, the bias [1, S|1, S] (float64) or 0.0 without one (dims [B or 1, 1, S or 1, S], bf16 or
-    fp32; a bias of one row applies to every query)."""
+    """Per batch entry, the bias [1, S, S] (float64) or 0.0 without one (dims [B or 1, 1, S, S], bf16 or fp32)."""
     if t is None:
         return [0.0] * B
-    assert t.dim[1] == 1 and t.data_type in ("bfloat16", "float32"), f"emulated: bias [B, 1, S|1, S], got {t.dim}"
+    assert t.dim[1] == 1 and t.data_type in ("bfloat16", "float32"), f"emulated: bias [B, 1, S, S], got {t.dim}"
     S, S2 = t.dim[2:]
     out = []
     for b in range(B):

@@ -385,30 +385,6 @@ def test_cuda_pipeline_masks_documents_by_a_bias(monkeypatch):
     assert cuda_attention.packed_mask(2, 9) == "ragged"
 
 
-def test_cuda_pipeline_masks_documents_by_columns(monkeypatch):
-    """With PACKED_MASK "columns" the packed calls take one key bias [B, 1, 1, S] fp32, computed
-    once from the position ids and shared by every layer's forward and backward; stats
-    [B, H, S, 1]; no size limit (BIAS_MAX_BYTES is the full bias's)."""
-    pytest.importorskip("tvm")
-    from tvm import relax
-    from lorac.compiler.targets.cuda import attention as cuda_attention
-    from test_compiler_gpu_passes import _cuda_plan
-    monkeypatch.setattr(cuda_attention, "PACKED_MASK", "columns")
-    monkeypatch.setattr(cuda_attention, "BIAS_MAX_BYTES", 0)
-    spec, train, model = _small_packed(checkpointing=True)
-    calls = []
-    relax.analysis.post_order_visit(_cuda_plan(model, "bfloat16")["_mod"]["main"], lambda e: isinstance(e, relax.Call)
-                                    and isinstance(e.op, relax.ExternFunc)
-                                    and e.op.global_symbol.startswith("lorac.attention") and calls.append(e))
-    assert len(calls) == 6
-    xs = [c.args[3 if c.op.global_symbol == "lorac.attention_packed_fwd" else 6] for c in calls]
-    assert all([int(d) for d in x.ty.shape.values] == [2, 1, 1, 9] and x.ty.dtype == "float32" for x in xs)
-    assert all(x.same_as(xs[0]) for x in xs)  # one key bias for the step
-    fwd = next(c for c in calls if c.op.global_symbol == "lorac.attention_packed_fwd")
-    assert [int(d) for d in fwd.args[-1].ty.shape.values] == [2, spec.heads, 9, 1]
-    assert cuda_attention.packed_mask(2, 9) == "columns"
-
-
 def test_document_bias_kernel_equals_the_runtime_reference():
     """The bias the CUDA build computes (compiler/targets/cuda/attention.document_bias), built
     for the CPU and run on packed rows, equals runtime/devices/cuda/documents.document_bias,
@@ -433,38 +409,6 @@ def test_document_bias_kernel_equals_the_runtime_reference():
     seen = (got[:, 0].astype(np.float32) == 0) & np.tril(np.ones((S, S), bool))
     i, j = np.arange(S)[:, None], np.arange(S)[None, :]
     np.testing.assert_array_equal(seen, (j <= i) & (i - j <= p[:, :, None]))
-
-
-def test_document_columns_kernel_equals_the_runtime_reference():
-    """The key bias of mask "columns" the CUDA build computes (document_columns), built for the
-    CPU, equals runtime/devices/cuda/documents.document_columns; under the causal mask a key
-    shares its query's value exactly where the packed graph's mask keeps it, and sits at least
-    RANK_GAP below it everywhere else (its weight at most exp(-RANK_GAP) of its own)."""
-    tvm = pytest.importorskip("tvm")
-    from tvm import relax
-    from lorac.compiler.targets.cuda.attention import document_columns
-    from lorac.runtime.devices.cuda.documents import RANK_GAP
-    from lorac.runtime.devices.cuda.documents import document_columns as reference
-    B, S = 4, 11
-    bb = relax.BlockBuilder()
-    pos = relax.Var("pos", relax.TensorType([B, S], "int64"))
-    with bb.function("main", [pos]):
-        with bb.dataflow():
-            out = bb.emit_output(document_columns(bb, pos, B, S))
-        bb.emit_func_output(out)
-    vm = relax.VirtualMachine(tvm.compile(bb.get(), "llvm"), tvm.cpu())
-    p = np.stack([positions_of(4, 5, 2), positions_of(11), positions_of(*(1,) * 11),
-                  np.r_[np.arange(3, 6), np.arange(8)]])  # a row starting inside a document
-    got = vm["main"](tvm.runtime.tensor(p)).numpy()
-    assert got.dtype == np.float32 and got.shape == (B, 1, 1, S)
-    np.testing.assert_array_equal(got, reference(p))
-    col = got[:, 0, 0, :]
-    own = col[:, :, None]  # query i's value, against key j's
-    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
-    causal = j <= i
-    kept = j >= i - p[:, :, None]  # the packed graph's mask (a row's first document may start before it)
-    np.testing.assert_array_equal(causal & (col[:, None, :] == own), causal & kept)
-    assert (col[:, None, :] - own)[causal & ~kept].max(initial=-RANK_GAP) <= -RANK_GAP
 
 
 def test_cuda_build_maps_the_packed_units(tmp_path):

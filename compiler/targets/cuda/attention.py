@@ -20,11 +20,6 @@ call's "mask"; runtime/devices/cuda/sdpa.py builds the graphs):
   and -1e30 before (causal masking hides the keys after i), computed here once per step
   from the position ids by one elementwise kernel and passed in `pos`'s place; lse [B, H, S, 1].
   Used while the bias takes at most BIAS_MAX_BYTES, ragged past it.
-- "columns": plain rows plus a bias over keys only, [B, 1, 1, S] fp32: RANK_GAP x the index
-  of key j's document in its row (runtime/devices/cuda/documents.py document_columns: the
-  keys of a query's own document share one value, which softmax ignores, and earlier
-  documents' keys sit RANK_GAP a document below), computed here once per step; lse
-  [B, H, S, 1] (plus that shared value: only the backward reads it). No size limit.
 The softmax scale (a constant), the shapes and the mask go to the manifest's `unit_calls`,
 one entry per distinct call. The runtime (lorac.runtime.devices.cuda.attention) registers the functions: cuDNN
 plans built once per shape, executed on TVM's stream, so CUDA graphs capture them like the
@@ -54,11 +49,8 @@ BIAS_MAX_BYTES = PACKED_BIAS_MAX_BYTES  # "bias" while the [B, 1, S, S] bf16 bia
 
 
 def packed_mask(B: int, S: int) -> str:
-    """How the packed calls of [B, S] rows mask documents: "ragged", "bias" or "columns"
-    (module doc)."""
-    if PACKED_MASK == "bias":
-        return "bias" if 2 * B * S * S <= BIAS_MAX_BYTES else "ragged"
-    return PACKED_MASK
+    """How the packed calls of [B, S] rows mask documents: "ragged" or "bias" (module doc)."""
+    return "bias" if PACKED_MASK == "bias" and 2 * B * S * S <= BIAS_MAX_BYTES else "ragged"
 
 
 def document_bias(bb, pos, B: int, S: int):
@@ -71,19 +63,6 @@ def document_bias(bb, pos, B: int, S: int):
     seen = bb.emit(relax.op.greater_equal(relax.op.reshape(idx, [1, 1, 1, S]), start))
     wide = bb.emit(relax.op.where(seen, relax.const(0.0, "float32"), relax.const(MASKED, "float32")))
     return bb.emit(relax.op.astype(wide, _BF16))
-
-
-def document_columns(bb, pos, B: int, S: int):
-    """The key bias [B, 1, 1, S] fp32 of packed rows from their position ids pos [B, S]:
-    RANK_GAP x the index of each token's document in its row (a row's first token starts
-    document 0); runtime/devices/cuda/documents.py document_columns is the reference."""
-    from lorac.runtime.devices.cuda.documents import RANK_GAP
-    idx = relax.op.reshape(relax.op.arange(0, S, 1, "int32"), [1, S])
-    first = bb.emit(relax.op.logical_or(relax.op.equal(pos, relax.const(0, pos.ty.dtype)),
-                                        relax.op.equal(idx, relax.const(0, "int32"))))
-    count = bb.emit(relax.op.cumsum(relax.op.astype(first, "int32"), axis=1))
-    rank = bb.emit(relax.op.astype(relax.op.subtract(count, relax.const(1, "int32")), "float32"))
-    return bb.emit(relax.op.reshape(relax.op.multiply(rank, relax.const(RANK_GAP, "float32")), [B, 1, 1, S]))
 
 
 class _Narrowing:
@@ -129,7 +108,7 @@ def converters() -> dict:
 
     cache = _Narrowing()
     calls: list = []
-    biases: dict = {}  # (mask, position ids var) -> its documents' bias (one per step, shared by every layer)
+    biases: dict = {}  # position ids var -> its documents' bias (one per step, shared by every layer)
 
     def masking(bb, pos, q):
         """(how this packed call masks documents, what it takes in pos's place)."""
@@ -137,9 +116,9 @@ def converters() -> dict:
         mask = packed_mask(B, S)
         if mask == "ragged":
             return mask, pos
-        if (mask, pos) not in biases:
-            biases[(mask, pos)] = (document_bias if mask == "bias" else document_columns)(bb, pos, B, S)
-        return mask, biases[(mask, pos)]
+        if pos not in biases:
+            biases[pos] = document_bias(bb, pos, B, S)
+        return mask, biases[pos]
 
     def record(fn, q, k, scale, mask=None):
         """Note the call; the scale travels in the manifest, not as an argument (a float

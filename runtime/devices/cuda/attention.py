@@ -24,9 +24,6 @@ documents (`mask`, runtime/devices/cuda/sdpa.py has the graphs):
 - "bias" (x: bf16 [B, 1, S, S], 0 inside each query's document and -1e30 before it, computed
   by the step from the position ids): plain rows with that additive bias; lse [B, H, S, 1].
   Nothing is fed from the host.
-- "columns" (x: fp32 [B, 1, 1, S], RANK_GAP x the index of each key's document in its row,
-  computed by the step): plain rows with that bias over keys (documents.document_columns);
-  lse [B, H, S, 1] plus each query's own document's bias. Nothing is fed from the host.
 
 cuDNN comes from NVIDIA's pip wheels (nvidia-cudnn-frontend's Python graph API over
 nvidia-cudnn-cu13's libcudnn). Plans are built when the artifact loads, from the calls the
@@ -51,7 +48,7 @@ FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
 PACKED_FWD, PACKED_BWD = "lorac.attention_packed_fwd", "lorac.attention_packed_bwd"
 FUNCTIONS = (FWD, BWD, PACKED_FWD, PACKED_BWD)
 _PACKED = (PACKED_FWD, PACKED_BWD)
-MASKS = ("ragged", "bias", "columns")  # how a build masks packed documents (the manifest call's "mask")
+MASKS = ("ragged", "bias")  # how a build masks packed documents (the manifest call's "mask")
 
 # How the packed calls' plans are built, chosen from bench/cudnn_isolated_check.py's measurements
 # on the H200 (docs/BENCHMARKS.md, "Isolated packing on cuDNN"); set before artifacts load. The
@@ -178,8 +175,7 @@ def build_plan(call: dict, empty) -> tuple[list, bool]:
                             docs, g, opts) for g in range(len(docs.groups) if docs else 1)]
     except Exception as e:  # cuDNN raises its own error types
         what = f" packed in {docs.capacity} sequences of at most {docs.longest} tokens" if docs else \
-            {"bias": " packed, documents masked by a bias", "columns": " packed, documents masked by a key bias"}.get(
-                mask, "")
+            (" packed, documents masked by a bias" if packed else "")
         raise LoracError(f"cuDNN {_cudnn.backend_version_string()} has no fused attention plan for "
                          f"B={B} S={S} heads={H}/{K} head_dim={Dh}{what}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
@@ -198,8 +194,8 @@ def warm(plan: Plan, empty) -> None:
     """Run `plan` once on scratch buffers: its kernels load now, outside any capture."""
     shape = {"q": "q", "o": "q", "do": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv", "lse": "lse",
              "bias": "bias"}
-    dtype = {"lse": "float32", "bias": getattr(plan, "bias_dtype", None)}
-    plan.run([empty(plan.shapes[shape[n]], dtype.get(n) or "bfloat16") for n in plan.names], _workspace["ptr"])
+    plan.run([empty(plan.shapes[shape[n]], "float32" if n == "lse" else "bfloat16") for n in plan.names],
+             _workspace["ptr"])
 
 
 def prepare(manifest, dev) -> None:
@@ -244,10 +240,8 @@ def feeder(manifest):
 
 def _plans_for(fn: str, q, k, x=None) -> list:
     B, S, H, Dh = (int(d) for d in q.shape)
-    masks = (None,) if fn in (FWD, BWD) else ("ragged",) if len(x.shape) != 4 else \
-        ("columns", "bias") if int(x.shape[2]) == 1 else ("bias", "columns")
-    keys = [(fn, B, S, H, int(k.shape[2]), Dh, mask) for mask in masks]
-    key = next((key for key in keys if key in _plans), keys[0])
+    mask = None if fn in (FWD, BWD) else ("bias" if len(x.shape) == 4 else "ragged")
+    key = (fn, B, S, H, int(k.shape[2]), Dh, mask)
     plans = _plans.get(key)
     if plans is None:
         raise LoracError(f"no cuDNN attention plan for {key}: the artifact's manifest does not list this call")
@@ -272,10 +266,10 @@ def _backward(q, k, v, o, do, lse, dq, dk, dv) -> None:
 def _packed_forward(q, k, v, x, o, lse) -> None:
     _set_stream(o.device.index)
     plans = _plans_for(PACKED_FWD, q, k, x)
-    _run(plans, [q, k, v, o, lse] if plans[0].layout == "ragged" else [q, k, v, x, o, lse])
+    _run(plans, [q, k, v, x, o, lse] if plans[0].layout == "bias" else [q, k, v, o, lse])
 
 
 def _packed_backward(q, k, v, o, do, lse, x, dq, dk, dv) -> None:
     _set_stream(dq.device.index)
     plans = _plans_for(PACKED_BWD, q, k, x)
-    _run(plans, [q, k, v, o, do, lse, dq, dk, dv] if plans[0].layout == "ragged" else [q, k, v, o, do, lse, x, dq, dk, dv])
+    _run(plans, [q, k, v, o, do, lse, x, dq, dk, dv] if plans[0].layout == "bias" else [q, k, v, o, do, lse, dq, dk, dv])

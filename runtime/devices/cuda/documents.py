@@ -29,11 +29,6 @@ from ...errors import LoracError
 
 TILE = 64  # a plan's max_seq is rounded up to this (cuDNN's attention tiles are 64 or 128 tokens)
 MASKED = -1e30  # the bias before a query's document (graphs/ops/attention.py's masked score)
-# the "columns" mask: this much bias between consecutive documents of a row. A key of an
-# earlier document weighs at most exp(-RANK_GAP) of what it would alone (plus the difference
-# of the two scores); a multiple of 64 below 2^14 is exact in bf16 up to 256 documents a row
-# and in fp32 far beyond (the bias is fp32, see document_columns).
-RANK_GAP = 64.0
 
 
 def document_runs(positions) -> tuple[np.ndarray, np.ndarray]:
@@ -69,21 +64,6 @@ def document_bias(positions) -> np.ndarray:
     S = pos.shape[1]
     i, j = np.arange(S)[:, None], np.arange(S)[None, :]
     return np.where(j[None] >= i[None] - pos[:, :, None], 0.0, MASKED).astype(np.float32)[:, None]
-
-
-def document_columns(positions) -> np.ndarray:
-    """positions [B, S] -> the key bias [B, 1, 1, S] (float32) of the packed calls built with
-    mask "columns": RANK_GAP x the index of key j's document in its row (a row's first token
-    starts document 0). For query i the keys of its own document all carry RANK_GAP x doc(i),
-    a constant of the row that softmax ignores, and those of earlier documents at least
-    RANK_GAP less; causal masking hides the keys after i. So no [B, 1, S, S] tensor is needed;
-    the price is precision: the scores are summed with RANK_GAP x doc(i) in fp32 (an error of
-    at most half an ulp of it, 1.2e-4 at 40 documents) and the stats carry that constant too.
-    What the CUDA build computes on the device (compiler/targets/cuda/attention.py), for checks."""
-    pos = np.asarray(positions, np.int64)
-    first = pos == 0
-    first[:, 0] = True
-    return (RANK_GAP * (np.cumsum(first, axis=1) - 1)).astype(np.float32)[:, None, None, :]
 
 
 def split_documents(positions, capacity: int) -> tuple[np.ndarray, np.ndarray]:

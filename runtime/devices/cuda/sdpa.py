@@ -13,10 +13,6 @@ Layouts (the `layout` argument):
           lies in query i's document, -1e30 before it: the CUDA build computes it from the
           position ids, compiler/targets/cuda/attention.py) and causal masking; stats
           [B, H, S, 1]. Every tile of the causal triangle is computed, as for plain rows.
-  columns as bias, the bias over keys only: [B, 1, 1, S] fp32, RANK_GAP x the index of key j's
-          document in its row (documents.document_columns: softmax ignores the constant
-          each query's own keys share, earlier documents' keys sit RANK_GAP per document
-          below); stats [B, H, S, 1] carry that constant (only the backward reads them).
 Options (attention.PACKED, from the measurements in bench/cudnn_isolated_check.py):
 `deterministic` (the backward's use_deterministic_algorithm), `implementation` (the
 forward's AUTO / COMPOSITE / UNIFIED) and `engine` (the name of the plan to build instead of
@@ -25,11 +21,10 @@ the heuristics' first: the frontend's get_plan_name_at_index).
 from __future__ import annotations
 
 FWD_INPUTS = {"causal": ("q", "k", "v", "o", "lse"), "ragged": ("q", "k", "v", "o", "lse"),
-              "bias": ("q", "k", "v", "bias", "o", "lse"), "columns": ("q", "k", "v", "bias", "o", "lse")}
+              "bias": ("q", "k", "v", "bias", "o", "lse")}
 BWD_INPUTS = {"causal": ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"),
               "ragged": ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"),
-              "bias": ("q", "k", "v", "o", "do", "lse", "bias", "dq", "dk", "dv"),
-              "columns": ("q", "k", "v", "o", "do", "lse", "bias", "dq", "dk", "dv")}
+              "bias": ("q", "k", "v", "o", "do", "lse", "bias", "dq", "dk", "dv")}
 # ways to ask for the causal mask, tried in order until a plan builds (frontend versions differ)
 CAUSAL = ({"use_causal_mask": True}, {"diagonal_band_right_bound": 0, "diagonal_alignment": "TOP_LEFT"})
 
@@ -56,7 +51,7 @@ class Plan:
         self.c, self.handle, self.scale, self.layout = cudnn, handle, scale, layout
         self.backward, self.docs, self.group, self.options = backward, docs, group, dict(options or {})
         self.names = (BWD_INPUTS if backward else FWD_INPUTS)[layout]
-        self.shapes = {"q": (B, S, H, Dh), "kv": (B, S, K, Dh), "bias": (B, 1, 1 if layout == "columns" else S, S),
+        self.shapes = {"q": (B, S, H, Dh), "kv": (B, S, K, Dh), "bias": (B, 1, S, S),
                        "lse": (B, S, H, 1) if layout == "ragged" else (B, H, S, 1)}
         self.failed = []  # (causal spelling, cuDNN's error) of each spelling tried before the one built
         for causal in CAUSAL:
@@ -91,15 +86,9 @@ class Plan:
             mask.update(use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
             lengths = self.docs.lengths[self.group]
             bound = {lens[0]: lengths, lens[1]: lengths, **{x: self.docs.offsets_of(self.group, m) for m, x in offsets.items()}}
-        if self.layout in ("bias", "columns"):  # bias: bf16 (the build's), or fp32 where options say
-            wide = opt.get("bias_dtype", "float32" if self.layout == "columns" else "bfloat16") == "float32"
-            if self.layout == "bias":  # (bench/cudnn_isolated_speed.py); columns: fp32 or bf16
-                dims, strides = [B, 1, S, S], [S * S, S * S, S, 1]
-            else:  # one row of S values a batch entry, broadcast over the queries by a zero stride
-                view = opt.get("columns_view") == "full"  # or described as [B, 1, S, S] with that stride
-                dims, strides = [B, 1, S if view else 1, S], [S, S, 0, 1]
-            t["bias"] = g.tensor(dims, strides, data_type=f32 if wide else bf16, name="bias")
-            self.bias_dtype = "float32" if wide else "bfloat16"
+        if self.layout == "bias":  # bf16 (the build's), or fp32 where options say (bench/cudnn_isolated_speed.py)
+            dt = f32 if opt.get("bias_dtype") == "float32" else bf16
+            t["bias"] = g.tensor([B, 1, S, S], [S * S, S * S, S, 1], data_type=dt, name="bias")
             mask["bias"] = t["bias"]
         if not self.backward:
             extra = {"implementation": getattr(c.attention_implementation, opt["implementation"])} \
