@@ -327,6 +327,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     ARGS = p.parse_args(argv)
+    if ARGS.only:
+        from cudnn_isolated_speed import chosen
+        try:
+            chosen(ARGS.only)
+        except ValueError as e:
+            p.error(str(e))
     small = dict(batch=2, seq=96, heads=4, kv_heads=2, head_dim=16)
     full = dict(batch=8, seq=1024, heads=16, kv_heads=8, head_dim=128)
     for k, v in (small if ARGS.emulate else full).items():

@@ -54,6 +54,19 @@ SHORT = ("plain", "ragged_row", "ragged_longest", "ragged_groups_64", "ragged_gr
          "bias")
 
 
+ENGINES = ("ragged_longest", "bias")  # the variants whose every offered plan `engines` times
+
+
+def chosen(only: str | None) -> list[str]:
+    """The names of --only (comma-separated); a ValueError naming the choices for any other."""
+    names = [x for x in (only or "").split(",") if x]
+    unknown = [x for x in names if x not in VARIANTS and x not in {f"engines:{e}" for e in ENGINES}]
+    if unknown:
+        raise ValueError(f"--only {','.join(unknown)}: not a variant; the variants: {', '.join(VARIANTS)}, "
+                         + ", ".join(f"engines:{e}" for e in ENGINES))
+    return names
+
+
 def datasets(ctx) -> dict:
     """name -> (positions, inputs, reference, documents a row at most)."""
     a = C.ARGS
@@ -145,7 +158,7 @@ def outside_writes(ctx, fwd, bwd, docs, pos, x) -> int:
 def st_speed(ctx):
     res = {"variants": {}, "engines": {}}
     data = datasets(ctx)
-    only = [x for x in (getattr(C.ARGS, "only", None) or "").split(",") if x]
+    only = chosen(getattr(C.ARGS, "only", None))
     for dname, (pos, x, ref, per_row) in data.items():
         res["variants"][dname] = table = {}
         res[f"{dname}_documents"] = {"per_row": (pos == 0).sum(1).tolist(), "longest": int(pos.max()) + 1}
@@ -175,7 +188,7 @@ def st_speed(ctx):
                                                    f"{'ok' if r['ok'] else 'FAILED'}" if "forward_ms" in r
                                                    else f"FAILED: {r.get('error', '')[:200]}"), flush=True)
     pos, x, ref, per_row = data["main"]
-    for name in ("ragged_longest", "bias"):
+    for name in ENGINES:
         if not only or f"engines:{name}" in only:
             res["engines"][name] = engines(ctx, *VARIANTS[name], pos, x, ref, per_row)
     res["ok"] = True  # informative: the choice is the reader's
