@@ -70,7 +70,8 @@ class TrainConfig:
     # dequantized just before the GEMMs that read it; "auto": the device's default (runtime/devices/)
     quantize: str | None = setting(None, "quantize the frozen linear projections on load: nf4 (QLoRA's 4-bit "
                                    "NormalFloat in bitsandbytes' layout, block 64, double-quantized absmax) or int8 "
-                                   "(per output channel); the graph dequantizes each weight just before its GEMMs "
+                                   "(per output channel); the graph dequantizes each weight just before its GEMMs. "
+                                   "Weights the model holds quantized already (a GGUF's blocks) keep their own "
                                    "(docs/WEIGHTS.md)")
     quantized_base: str = setting("auto", "how a quantized base (a *-bnb-4bit model, a quantized GGUF, --quantize) "
                                   "is held: keep (its blocks: QLoRA's memory), dequantize (dense from load) or auto: "

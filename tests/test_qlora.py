@@ -271,3 +271,22 @@ def test_quantize_flags_are_checked_in_one_line(tmp_path):
         r = run_lorac(["train", "--out", str(tmp_path / "o"), *args])
         assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"lorac: {r.stderr.strip()[7:]}"], r.stderr
         assert msg in r.stderr, (args, r.stderr)
+
+
+def test_quantize_says_which_weights_keep_the_bases_own_blocks():
+    """--quantize quantizes only dense weights: over a base that holds some quantized already (a
+    GGUF's blocks), the log says how many it quantized and which keep their own format."""
+    from lorac.runtime.model.quant import quantize_weights
+    from lorac.runtime.train.run import _quantized
+    rng = np.random.default_rng(0)
+    names = [f"model.layers.0.mlp.{t}.weight" for t in ("gate_proj", "up_proj", "down_proj")]
+    dense = {n: (0.02 * rng.standard_normal((64, 64))).astype(np.float32) for n in names}
+    weights = quantize_weights(quantize_weights(dense, "Q4_0", names[:2]), "nf4", names[2:])
+    lines: list[str] = []
+    quant = _quantized(weights, lines.append, "nf4")
+    assert sorted(q.kind for _, q in quant) == ["Q4_0", "Q4_0", "nf4"]
+    assert lines[1] == ("base: --quantize nf4 quantized 1 dense linear weights; the 2 the model holds quantized "
+                        "already (Q4_0) keep their own blocks")
+    lines.clear()
+    _quantized(weights, lines.append)  # no --quantize: the one line
+    assert len(lines) == 1 and lines[0].startswith("base: 3 linear weights kept quantized (Q4_0, nf4;")

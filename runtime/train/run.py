@@ -19,8 +19,10 @@ from .plan import plan_run
 from .report import data_lines
 
 
-def _quantized(weights: dict, log) -> tuple:
-    """TrainSpec.quant of the loaded weights (their quantized projections), logged in one line."""
+def _quantized(weights: dict, log, asked: str | None = None) -> tuple:
+    """TrainSpec.quant of the loaded weights (their quantized projections), logged in one line;
+    `asked` (--quantize) quantizes only dense weights: where the base's own blocks stay, a
+    second line says so."""
     from lorac.graphs.ops.quant import detect
     quant = tuple(sorted(detect(weights).items()))
     if quant:
@@ -29,6 +31,10 @@ def _quantized(weights: dict, log) -> tuple:
         size = quantized_bytes(weights)
         log(f"base: {len(quant)} linear weights kept quantized ({', '.join(kinds)}; {size / 1e9:.2f} GB of blocks "
             "and scales), each dequantized just before its GEMMs (--dequantize: dense instead)")
+    own = [q.kind for _, q in quant if q.kind != asked]
+    if asked and own:
+        log(f"base: --quantize {asked} quantized {len(quant) - len(own)} dense linear weights; the {len(own)} the "
+            f"model holds quantized already ({', '.join(sorted(set(own)))}) keep their own blocks")
     return quant
 
 
@@ -94,7 +100,7 @@ class Run:
         self.log(f"model: {self.source.describe()}")
         _check_tables(cfg, self.source)
         self.model_config, weights, self.tokenizer = self.source.load(cfg.quantize, _keeps(cfg, self.source, self.log))
-        quant = _quantized(weights, self.log)
+        quant = _quantized(weights, self.log, cfg.quantize)
         from .memory import frozen_sizes
         self.plan, self.adapter = _plan(cfg, self.model_config, frozen_sizes(weights), quant, dp, self.log)
         from ..model.quant.embeddings import quantize_tables
@@ -288,7 +294,7 @@ def precompile(cfg: TrainConfig, log=None) -> dict:
     config = source.config()
     if cfg.quantize or (holds_quantized(source.path, config) and _keeps(cfg, source, log)):
         config, weights, _ = source.load(cfg.quantize, True)
-        frozen, quant = frozen_sizes(weights), _quantized(weights, log)
+        frozen, quant = frozen_sizes(weights), _quantized(weights, log, cfg.quantize)
         del weights
     else:
         frozen, quant = frozen_sizes_of(source.path), ()
