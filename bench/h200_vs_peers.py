@@ -17,9 +17,9 @@ GPU memory figures are per run: lorac's is the device memory in use after the st
 the process held before loading anything (TVM's pool keeps the step's peak); the peers' is
 torch's peak allocated (and reserved) and, for the fast peers (run through bench/peer_in_use.py),
 the same measure as lorac's: in use after the steps less the bare context. MFU = model FLOPs /
-step time / 790 TFLOP/s (the bf16 GEMM rate measured on this H200 class), with FLOPs = 4 x matmul parameters x tokens (forward
-and input-gradient GEMMs; LoRA has no weight gradients) + 6 x L x B x S^2 x H x Dh (causal
-attention, forward and backward).
+step time / 790 TFLOP/s (the bf16 GEMM rate measured on this H200 class), with FLOPs = 4 x
+matmul parameters x tokens (forward and input-gradient GEMMs; LoRA has no weight gradients)
++ 6 x L x B x S^2 x H x Dh (causal attention, forward and backward).
 """
 from __future__ import annotations
 

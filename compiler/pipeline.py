@@ -158,10 +158,10 @@ def import_onnx(proto: onnx.ModelProto, tmod, dtype: str):
 
 def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
     """The Relax module a target builds, before its own passes: import (units.py), the
-    byte-indexed lookups' negative-index wraps dropped (lookups.py), the target's prepare, bf16 weights (precision.py), GEMM dispatch (gemm.py), accumulating
-    sums (gemm_sum.py), bf16 GEMM outputs (gemm_output.py) and the bf16 residual stream
-    (residual_stream.py). -> (module, mapped units,
-    their calls, the manifest's `gemm` record)."""
+    byte-indexed lookups' negative-index wraps dropped (lookups.py), the target's prepare,
+    bf16 weights (precision.py), GEMM dispatch (gemm.py), accumulating sums (gemm_sum.py),
+    bf16 GEMM outputs (gemm_output.py) and the bf16 residual stream (residual_stream.py).
+    -> (module, mapped units, their calls, the manifest's `gemm` record)."""
     from .passes.lookups import unwrap_unsigned_indices
     mod, units, unit_calls = import_onnx(proto, tmod, dtype)
     mod = tmod.prepare(unwrap_unsigned_indices(mod))
