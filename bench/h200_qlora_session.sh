@@ -7,7 +7,8 @@
 #   peers.tar.xz, peer_fast_gpu.py   Unsloth and its wheels (docs/BENCHMARKS.md), shared/bench's peer
 #   qcheck                 bench/h200_quant_check.py prepare .devcarry/qcheck
 #   qcacheN                bench/h200_vs_peers.py prepare .devcarry/qcacheN CASE ...
-# Stages: check (the quantized steps' numerics), CACHE:CASE[,CASE] (lorac + the case's peers),
+# Stages: check[:DIR] (the quantized steps' numerics, artifacts in DIR, default qcheck),
+# kernels:CACHE:CASE (every kernel of the case's step, bench/h200_kernels.py), CACHE:CASE[,CASE] (lorac + the case's peers),
 # CACHE:CASE!  (lorac alone). Usage: bash bench/h200_qlora_session.sh check qcache6:8b-1x2048-nf4e-auto8 ...
 set -u
 D=.devcarry
@@ -26,7 +27,10 @@ quiet() { grep -v -i -E "warning|nanobind|^ *$"; }
 for stage in "$@"; do
   echo "== $stage ($(date +%T))"
   case $stage in
-    check) timeout 180 python3 bench/h200_quant_check.py device $D/qcheck 2>&1 | quiet | tail -n 20 ;;
+    check|check:*) dir=qcheck; [ "$stage" = check ] || dir=${stage#check:}
+          timeout 180 python3 bench/h200_quant_check.py device $D/$dir 2>&1 | quiet | tail -n 20 ;;
+    kernels:*) c=${stage#kernels:}; case_=${c#*:}; c=${c%%:*}
+          timeout 300 python3 bench/h200_kernels.py $D/$c $case_ 60 2>&1 | quiet | tail -n 70 ;;
     *:*!) c=${stage%%:*}; cases=${stage#*:}; cases=${cases%!}
           NO_PEERS=1 timeout 400 python3 bench/h200_vs_peers.py device $D/$c ${cases//,/ } 2>&1 | quiet | tail -n 30 ;;
     *:*) c=${stage%%:*}; cases=${stage#*:}

@@ -53,7 +53,9 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         s = saved[L.idx]
         if s is None:  # checkpointing: recompute this layer's forward from its kept input
             x_in = fetch(g, inputs[L.idx], L.idx) if train.offload else inputs[L.idx]
+            c.recomputing = True  # a family may stop before what only the layer's output needs
             _, s = fam.layer_forward(c, x_in, L)
+            c.recomputing = False
         dx = fam.layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
     g.scope = "out"
     g.output(g.reshape(loss), "loss")

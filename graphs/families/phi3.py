@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops.attention import AttentionSaved, Mask, attention_backward, attention_forward
-from ..decoder import Ctx, describe, embed, gated_mlp_backward, projection_inputs  # noqa: F401 - the decoders' context, embedding and doc line
+from ..decoder import Ctx, describe, embed, gated_mlp_backward, projection_inputs, recomputed_mlp_tail  # noqa: F401 - the decoders' context, embedding and doc line
 from ..decoder import EMBEDDINGS, declare_embedding, declare_head  # noqa: F401 - HF's embedding names, read as the decoders'
 from ..decoder import activation_bytes as _decoder_bytes
 from ..ops.linear import Proj, add_lora, frozen_weight, linear_forward, projection_backward
@@ -148,9 +148,11 @@ def layer_forward(c: Ctx, x, L: Layer):
     h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
     gu, u_gu = linear_forward(g, h2, L.proj["gate_up_proj"])
     gate, up = g.slice(gu, 0, I, 1), g.slice(gu, I, 2 * I, 1)
+    u = {"qkv_proj": u_qkv, "o_proj": u_o, "gate_up_proj": u_gu}
+    if c.recomputing:  # as the decoder's: the backward forms silu(gate) * up and down_proj's u
+        return None, Saved(h1, n1, sa, a2, h2, n2, gate, up, None, recomputed_mlp_tail(u))
     act = swiglu_forward(g, gate, up)
-    dn, u_dn = linear_forward(g, act, L.proj["down_proj"])
-    u = {"qkv_proj": u_qkv, "o_proj": u_o, "gate_up_proj": u_gu, "down_proj": u_dn}
+    dn, u["down_proj"] = linear_forward(g, act, L.proj["down_proj"])
     return g.op("Add", x1, dn), Saved(h1, n1, sa, a2, h2, n2, gate, up, act, u)
 
 

@@ -65,11 +65,13 @@ def linear_forward(g, x, p: Proj):
 def linear_backward(g, dy, x, u, p: Proj, need_dx: bool = True):
     """Returns (dx or None, dA or None, dB or None). `x` is the projection's input, or a
     function of dx that returns it (a lean layer forms down_proj's input in the unit that
-    takes dx: decoder.gated_mlp_backward)."""
+    takes dx: decoder.gated_mlp_backward). `u` None for an adapted projection: s x A^T is
+    formed here from x (a recomputed layer skips down_proj's forward: decoder.layer_forward)."""
     da = db = dx = du = None
     if p.a is not None:
         # dB = dy^T u = s dy^T (x A^T); du = s dy B; dA = du^T x
-        db = g.matmul(g.transpose(dy, 1, 0), u)
+        if u is not None:
+            db = g.matmul(g.transpose(dy, 1, 0), u)
         du = g.op("Mul", g.matmul(dy, p.b), g.f(p.scale))
     if need_dx:
         # dx = dy W + du A
@@ -79,6 +81,8 @@ def linear_backward(g, dy, x, u, p: Proj, need_dx: bool = True):
     if callable(x):
         x = x(dx)
     if p.a is not None:
+        if u is None:
+            db = g.matmul(g.transpose(dy, 1, 0), g.op("Mul", g.mm_t(x, p.a), g.f(p.scale)))
         da = g.matmul(g.transpose(du, 1, 0), x)
     return dx, da, db
 
