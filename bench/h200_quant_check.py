@@ -9,8 +9,9 @@ Checks, on a 40M-class Qwen3 shape at 4x256 (every projection quantized, LoRA on
 - nf4 (double-quantized absmax), int8 and Q4_K bases: the bf16 CUDA step against the fp32 CPU
   step on the reference dequantization of the same blocks: loss within 1e-2 relative, every
   LoRA gradient's cosine >= 0.999 (the bars of docs/BENCHMARKS.md's numerics);
-- checkpointing with and without offload (bf16, CUDA graphs): loss and gradients bit for bit,
-  over three replays of the captured step;
+- checkpointing with and without offload, the latter of the inputs alone and of the inputs
+  with the attention state (bf16, CUDA graphs): loss and gradients bit for bit, over three
+  replays of the captured step;
 - bitsandbytes' dequantize_4bit (CUDA, bf16 and fp32 outputs) against lorac's reference on the
   same blocks, bit for bit.
 Inputs come from bench/h200_check.make_inputs (counter-based, identical on both machines);
@@ -33,7 +34,7 @@ B, S = 4, 256
 KINDS = {"nf4": dict(kind="nf4", block=64, double=True), "int8": dict(kind="int8"), "q4k": dict(kind="Q4_K")}
 
 
-def _specs(kind: str | None, ckpt: bool = False, offload: bool = False):
+def _specs(kind: str | None, ckpt: bool = False, offload: bool = False, state: bool | None = None):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.ops.quant import Quant
@@ -42,8 +43,11 @@ def _specs(kind: str | None, ckpt: bool = False, offload: bool = False):
     quant = () if kind is None else tuple(sorted(
         (fam.weight_name(i, t), Quant(**KINDS[kind])) for i in range(spec.layers) for t in fam.TARGETS))
     train = TrainSpec(batch=B, seq=S, lora_targets=fam.TARGETS, rank=16, alpha=32.0, quant=quant,
-                      checkpointing=ckpt, offload=offload)
+                      checkpointing=ckpt, offload=offload, offload_state=state)
     return spec, train
+
+
+CKPT = {"plain": dict(), "offload": dict(offload=True, state=False), "offload-state": dict(offload=True, state=True)}
 
 
 def inputs(manifest: dict) -> dict:
@@ -117,11 +121,11 @@ def prepare(root: Path, only=None) -> None:
         out = load_artifact(ref, "cpu")({**rest, **dense})
         np.savez(root / f"{kind}.ref.npz", **out)
         print(kind, "reference loss", float(out["loss"]), flush=True)
-    for off in (False, True) if only is None else ():
-        spec, train = _specs(None, ckpt=True, offload=off)
+    for name, how in CKPT.items() if only is None else ():
+        spec, train = _specs(None, ckpt=True, **how)
         compile_graph(build_training_graph(spec, train), target={"kind": "cuda", "cuda_graph": True},
-                      out_dir=root / f"ckpt-{'offload' if off else 'plain'}-cuda", dtype="bfloat16")
-        print("checkpointing", "offload" if off else "plain", "compiled", flush=True)
+                      out_dir=root / f"ckpt-{name}-cuda", dtype="bfloat16")
+        print("checkpointing", name, "compiled", flush=True)
 
 
 def _cos(a, b) -> float:
@@ -141,14 +145,17 @@ def device(root: Path) -> None:
         rel = abs(float(out["loss"]) - float(ref["loss"])) / abs(float(ref["loss"]))
         print(json.dumps({"check": f"{kind} bf16 cuda vs fp32 cpu", "loss_rel": rel, "min_grad_cosine": round(cos, 6),
                           "ok": rel <= 1e-2 and cos >= 0.999}), flush=True)
-    runs = []
-    for name in ("plain", "offload"):
+    runs = {}
+    for name in CKPT:
+        if not (root / f"ckpt-{name}-cuda").exists():  # an older ART_ROOT
+            continue
         step = load_artifact(root / f"ckpt-{name}-cuda", "cuda")
         feeds = inputs(step.manifest.to_json())
-        runs.append([step(feeds) for _ in range(3)])
-    same = all(np.array_equal(a[k], b[k]) for a, b in zip(*runs) for k in a)
-    print(json.dumps({"check": "offload vs plain checkpointing, 3 replays", "bit_identical": same, "ok": same,
-                      "loss": float(runs[1][-1]["loss"])}), flush=True)
+        runs[name] = [step(feeds) for _ in range(3)]
+    for name in list(runs)[1:]:
+        same = all(np.array_equal(a[k], b[k]) for a, b in zip(runs["plain"], runs[name]) for k in a)
+        print(json.dumps({"check": f"{name} vs plain checkpointing, 3 replays", "bit_identical": same, "ok": same,
+                          "loss": float(runs[name][-1]["loss"])}), flush=True)
 
 
 def bnb() -> None:

@@ -168,8 +168,11 @@ def auto_checkpointing(spec, train, budget_gb: float):
     n_weights, packed = frozen_with(spec, (n_weights, packed), layers, train.quant)  # quantized embeddings
     budget, source = step_memory.budget_from(None, budget_gb)
     c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True)
-    print(f"memory: auto: {step_memory.describe(c.checkpointing, c.keep_layers, L, c.offload)} ({c.why})", flush=True)
-    return replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload)
+    chosen = replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload)
+    from lorac.graphs.compose import offloads_state
+    what = step_memory.describe(c.checkpointing, c.keep_layers, L, c.offload, offloads_state(spec, chosen))
+    print(f"memory: auto: {what} ({c.why})", flush=True)
+    return chosen
 
 
 def model_flops(cfg: dict, B: int, S: int) -> float:

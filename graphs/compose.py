@@ -34,13 +34,19 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     g, c, layers, final_norm, head, x = _start(fam, spec, train, dtype, "train")
     labels = g.input("labels", [train.batch, train.seq], INT64)
     lowest = train.layers(spec)[0]
+    state = offloads_state(spec, train)
     inputs, saved = [], []
     for L in layers:
         g.scope = f"L{L.idx}.fwd"
         recomputed = train.recomputes(spec, L.idx) and L.idx >= lowest
-        # with offload, a recomputed layer's input waits in host memory (graphs/ops/offload.py)
-        inputs.append(offload(g, x, L.idx) if recomputed and train.offload else x)
-        x, s = fam.layer_forward(c, x, L)
+        # with offload, a recomputed layer's input (and with `state` its attention's) waits in host
+        # memory (graphs/ops/offload.py)
+        kept = offload(g, [x], L.idx) if recomputed and train.offload and not state else x
+        x_out, s = fam.layer_forward(c, x, L)
+        if recomputed and state:
+            kept = offload(g, [x] + fam.attention_state(s), L.idx, wide=(5,))  # the row statistics
+        inputs.append(kept)
+        x = x_out
         saved.append(None if (recomputed or L.idx < lowest) else s)
     g.scope = "head"
     hN, nN = rmsnorm_forward(g, x, final_norm, spec.rms_eps)
@@ -51,8 +57,11 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     for L in reversed(layers[lowest:]):
         g.scope = f"L{L.idx}.bwd"
         s = saved[L.idx]
-        if s is None:  # checkpointing: recompute this layer's forward from its kept input
-            x_in = fetch(g, inputs[L.idx], L.idx) if train.offload else inputs[L.idx]
+        if s is None and state:  # the input and attention state back: recompute the MLP half
+            x_in, *held = fetch(g, inputs[L.idx], L.idx)
+            s = fam.layer_refill(c, x_in, held, L)
+        elif s is None:  # checkpointing: recompute this layer's forward from its kept input
+            x_in = fetch(g, inputs[L.idx], L.idx)[0] if train.offload else inputs[L.idx]
             c.recomputing = True  # a family may stop before what only the layer's output needs
             _, s = fam.layer_forward(c, x_in, L)
             c.recomputing = False
@@ -62,6 +71,15 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     for name in fam.lora_tensor_names(spec, train):
         g.output(grads[name], name + ".grad")
     return g.finish(doc=fam.describe(spec, train, "training"), metadata=_metadata(fam), data_prop=_data_prop(train))
+
+
+def offloads_state(spec, train) -> bool:
+    """Whether the step's offloaded layers send their attention state too (TrainSpec.offload_state;
+    None: where the family implements it and says the copies hide behind the forward)."""
+    fam = family(spec)
+    if not train.offload or not hasattr(fam, "layer_refill"):
+        return False
+    return fam.state_offload_pays(spec) if train.offload_state is None else bool(train.offload_state)
 
 
 def build_forward_graph(spec, train, dtype="float32") -> onnx.ModelProto:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ops.attention import Mask, attention_backward, attention_forward
+from .ops.attention import Mask, attention_backward, attention_forward, attention_saved
 from .builder import GraphBuilder
 from .ops.linear import (Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward,
-                         projection_backward)
+                         lora_inputs, projection_backward)
 from .ops.mlp import swiglu_backward, swiglu_forward
-from .ops.norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward
+from .ops.norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward, rmsnorm_stats
 from .ops.rope import rope_at, rope_backward, rope_forward, rope_tables
 from .spec import ALL_TARGETS, ModelSpec, TrainSpec, lora_name, weight_name
 
@@ -180,6 +180,65 @@ def layer_forward(c: Ctx, x, L: Layer):
     act = swiglu_forward(g, gt, up)
     dn, u["down_proj"] = linear_forward(g, act, L.proj["down_proj"])
     return g.op("Add", x1, dn), Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, act, u)
+
+
+# Host-link bytes a forward FLOP can hide: ~47 GB/s of pinned copies against ~750 TFLOP/s of bf16
+# GEMMs (an H100 / H200, measured: docs/BENCHMARKS.md) is 6.3e-5; the forward's attention, norms
+# and elementwise kernels (a quarter of its GEMM time at the Llama-3-8B shape) add the rest
+STATE_BYTES_PER_FLOP = 7.5e-5
+
+
+def state_offload_pays(spec) -> bool:
+    """Whether a recomputed layer's attention state (attention_state: x, q, k, v, the output in
+    bf16, the row statistics in fp32; q and k before their norms too where the model has them)
+    copies to host memory within the time its forward computes, so offload_state is the default
+    (TrainSpec.offload_state None): Llama-3-8B and larger shapes yes, small ones no (their layers
+    are too quick for the link: a Qwen3-0.6B layer would wait ~10x its compute)."""
+    D, I = spec.hidden, spec.intermediate
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    flops = 2 * (2 * D * q + 2 * D * kv + 3 * D * I)
+    return offload_state_bytes(spec) / flops <= STATE_BYTES_PER_FLOP
+
+
+def offload_state_bytes(spec, itemsize: int = 2) -> int:
+    """Bytes a token of a layer's offload slot with its attention state (attention_state; the
+    input first): activations in `itemsize`, the row statistics in fp32."""
+    D = spec.hidden
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    return itemsize * (D + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)) + 4 * spec.heads
+
+
+def attention_state(s: Saved) -> list:
+    """What a recomputed layer with offload_state sends to host memory besides its input (in
+    this order; layer_refill takes them back): what its attention's backward reads (q, k, v, o and
+    the row statistics lse, which move in fp32: compose.py), and the q/k norms' inputs where the
+    model has them."""
+    a = s.att
+    return [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else [])
+
+
+def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
+    """A recomputed layer's Saved from its input x and its attention_state, computing only what
+    they do not hold: the norms' statistics, the LoRA u of q/k/v (s h1 A^T, one thin GEMM),
+    o_proj and the MLP's gate and up (as layer_forward with c.recomputing); no q/k/v GEMM, no
+    RoPE, no attention. The same values as layer_forward's: the copies are exact."""
+    g, spec = c.g, c.spec
+    B, K, G, S, Dh = c.dims
+    h1, n1 = rmsnorm_forward(g, x, L.in_norm, spec.rms_eps)
+    u_qkv = lora_inputs(g, h1, [L.proj[t] for t in QKV])
+    qr, kr, v4, att, lse = state[:5]
+    nq = nk = None
+    if spec.qk_norm:
+        nq, nk = rmsnorm_stats(g, state[5], Dh, spec.rms_eps), rmsnorm_stats(g, state[6], Dh, spec.rms_eps)
+    sa = attention_saved(g, qr, kr, v4, att, lse, c.dims, mask=Mask(window=spec.sliding_window),
+                         positions=c.positions)
+    a2 = g.reshape(att, B * S, K * G * Dh)
+    o, uo = linear_forward(g, a2, L.proj["o_proj"])
+    x1 = g.op("Add", x, o)
+    h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
+    (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
+    u = dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo)
+    return Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, None, recomputed_mlp_tail(u))
 
 
 def recomputed_mlp_tail(u: dict) -> dict:

@@ -106,6 +106,10 @@ class TrainSpec:
     checkpointing: bool = False
     keep_layers: int = 0  # with checkpointing: the highest trained layers that keep their activations
     offload: bool = False  # with checkpointing: recomputed layers' kept inputs wait in host memory (offload.py)
+    # with offload, a recomputed layer also moves what its attention's backward reads (q, k, v, the
+    # output, the row statistics) to host memory, and its backward recomputes only the MLP half:
+    # None = where the family says the copies hide behind the forward (decoder.state_offload_pays)
+    offload_state: bool | None = None
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
@@ -171,6 +175,8 @@ class TrainSpec:
                              "without checkpointing every layer keeps them")
         if self.offload and not self.checkpointing:
             raise ValueError("offload moves the inputs checkpointing keeps to host memory; it needs checkpointing")
+        if self.offload_state not in (None, True, False):
+            raise ValueError(f"offload_state must be None, True or False, got {self.offload_state!r}")
         if not isinstance(self.head_slices, int) or isinstance(self.head_slices, bool) or self.head_slices < 0:
             raise ValueError(f"head_slices must be an integer >= 0, got {self.head_slices!r}")
         if self.loss_chunk < 0:

@@ -19,11 +19,11 @@ SPEC = ModelSpec(arch="qwen3", vocab=96, hidden=64, layers=4, heads=4, kv_heads=
 TRAIN = TrainSpec(batch=2, seq=48, lora_targets=ALL_TARGETS, rank=4, alpha=8.0, checkpointing=True, keep_layers=1)
 
 
-def _feeds(model, seed=0):
+def _feeds(model, seed=0, spec=SPEC):
     import onnxruntime as ort
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(seed)
-    feeds = {i.name: (rng.integers(0, SPEC.vocab, i.shape).astype(np.int64) if "int64" in i.type
+    feeds = {i.name: (rng.integers(0, spec.vocab, i.shape).astype(np.int64) if "int64" in i.type
                       else (0.1 * rng.standard_normal(i.shape)).astype(np.float32)) for i in sess.get_inputs()}
     return sess, feeds
 
@@ -46,8 +46,8 @@ def test_cuda_build_maps_offload_and_plans_without_the_inputs(tmp_path):
     art = compile_graph(model, target={"kind": "cuda", "cuda_graph": True}, out_dir=tmp_path / "a", dtype="bfloat16")
     m = json.loads((art / "manifest.json").read_text())
     assert {"Offload", "Fetch"} <= set(m["units"])
-    calls = sorted((c["slot"], c["shape"], c["dtype"]) for c in m["unit_calls"] if c["function"] == "lorac.offload")
-    assert calls == [(i, [TRAIN.batch * TRAIN.seq, SPEC.hidden], "bfloat16") for i in range(3)]
+    calls = sorted((c["slot"], c["tensors"]) for c in m["unit_calls"] if c["function"] == "lorac.offload")
+    assert calls == [(i, [{"shape": [TRAIN.batch * TRAIN.seq, SPEC.hidden], "dtype": "bfloat16"}]) for i in range(3)]
     # 12 layers, all recomputed: the plan drops by the inputs of all but the few live at its peak
     spec, big = replace(SPEC, layers=12), replace(TRAIN, batch=4, seq=256, keep_layers=0)
     plain = cuda_plan(build_training_graph(spec, big), "bfloat16", cuda_graph=True)["static_plan_bytes"]
@@ -75,16 +75,97 @@ def test_the_estimate_counts_offload_and_auto_picks_it_when_it_must():
     assert not roomy.checkpointing and not roomy.offload
 
 
+LLAMA = ModelSpec(arch="llama", vocab=101, hidden=48, layers=3, heads=6, kv_heads=2, head_dim=8, intermediate=72,
+                  tied=False)  # GQA 3, untied head
+
+
+@pytest.mark.parametrize("spec,seq", [(SPEC, 48), (SPEC, 13), (LLAMA, 13)])
+def test_offloaded_attention_state_computes_what_checkpointing_computes(spec, seq):
+    """offload_state: the recomputed layers send q, k, v, the attention output and statistics (and
+    Qwen3's q/k before their norms) with their input, and their backward recomputes only the MLP
+    half: the same loss and gradients bit for bit (CPU), with fewer nodes (no q/k/v GEMMs, no
+    RoPE, no attention forward in the backward)."""
+    from lorac.graphs.compose import offloads_state
+    train = replace(TRAIN, seq=seq)
+    plain = build_training_graph(spec, train)
+    state = replace(train, offload=True, offload_state=True)
+    off = build_training_graph(spec, state)
+    assert offloads_state(spec, state) and not offloads_state(spec, replace(state, offload_state=False))
+    n_recomputed = spec.layers - 1
+    calls = [n for n in off.graph.node if n.op_type == "Offload"]
+    assert len(calls) == n_recomputed and all(len(n.input) == (8 if spec.qk_norm else 6) for n in calls)
+    attention = lambda m: sum(n.op_type == "CausalAttention" for n in m.graph.node)
+    assert attention(plain) == spec.layers + n_recomputed and attention(off) == spec.layers
+    (s1, feeds), (s2, _) = _feeds(plain, spec=spec), _feeds(off, spec=spec)
+    for a, b in zip(s1.run(None, feeds), s2.run(None, feeds)):
+        assert np.array_equal(a, b)
+
+
+def test_state_offload_is_the_default_where_the_copies_hide_behind_the_forward():
+    """TrainSpec.offload_state None: the family's rule (bytes of the state a forward FLOP) picks it for
+    Llama-3-8B and -70B shapes, not for Qwen3-0.6B's quick layers nor the test models."""
+    from lorac.graphs.compose import offloads_state
+    from lorac.runtime.train import memory
+    llama = dict(model_type="llama", vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 tie_word_embeddings=False)
+    l8 = ModelSpec.from_hf_config({**llama, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32})
+    l70 = ModelSpec.from_hf_config({**llama, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                                    "num_attention_heads": 64})
+    q06 = ModelSpec.from_hf_config(dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                        head_dim=128, tie_word_embeddings=True))
+    on = replace(TRAIN, offload=True)
+    assert offloads_state(l8, on) and offloads_state(l70, on)
+    assert not offloads_state(q06, on) and not offloads_state(SPEC, on)
+    assert not offloads_state(l8, replace(on, offload=False))
+    # staging: two slots' worth (runtime/devices/cuda/offload.py): the input alone, or with the state
+    big = replace(on, batch=4, seq=2048)
+    assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
+    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+
+
+def test_offload_slot_layout_reads_old_and_new_manifest_entries():
+    from lorac.runtime.devices.cuda.offload import slot_layout, staging_bytes
+    old = {"function": "lorac.offload", "slot": 0, "shape": [96, 64], "dtype": "bfloat16"}
+    assert slot_layout(old) == ([(0, 96 * 64 * 2)], 96 * 64 * 2)
+    new = {"function": "lorac.offload", "slot": 1,
+           "tensors": [{"shape": [3, 5], "dtype": "bfloat16"}, {"shape": [2, 4, 48, 1], "dtype": "float32"}]}
+    places, total = slot_layout(new)
+    assert places == [(0, 30), (256, 1536)] and total == 256 + 1536  # each value at a 256-byte boundary
+    assert staging_bytes([old, new]) == 2 * max(96 * 64 * 2, total)
+
+
+def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
+    """bf16 CUDA: each offloaded slot lists its values (bf16 activations, fp32 statistics); the
+    backward recomputes no attention forward, and cuDNN's backward reads the fetched bf16 values."""
+    from lorac.compiler.pipeline import lower_to_relax
+    from lorac.compiler.targets import cuda as target_cuda
+    from lorac.compiler.units.offload import converters
+    train = replace(TRAIN, offload=True, offload_state=True)
+    mod, units, calls, _ = lower_to_relax(build_training_graph(SPEC, train), target_cuda, "bfloat16")
+    slots = [c for c in calls if c["function"] == "lorac.offload"]
+    N, (B, S) = TRAIN.batch * TRAIN.seq, (TRAIN.batch, TRAIN.seq)
+    q, kv = [B, S, SPEC.heads, SPEC.head_dim], [B, S, SPEC.kv_heads, SPEC.head_dim]
+    want = [([N, SPEC.hidden], "bfloat16"), (q, "bfloat16"), (kv, "bfloat16"), (kv, "bfloat16"), (q, "bfloat16"),
+            ([B, SPEC.heads, S, 1], "float32"), (q, "bfloat16"), (kv, "bfloat16")]
+    assert len(slots) == 3 and all([(t["shape"], t["dtype"]) for t in c["tensors"]] == want for c in slots)
+    text = mod["main"].script()
+    assert text.count('"lorac.attention_fwd"') == SPEC.layers  # the forward's only
+    assert converters("float32")["Offload"] is not None
+
+
 @pytest.mark.gpu
-def test_offloaded_step_equals_the_checkpointed_step_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("state", [False, True])
+def test_offloaded_step_equals_the_checkpointed_step_on_the_gpu(tmp_path, state):
     """Copies only: the offloaded CUDA-graph step gives the checkpointed step's loss and
-    gradients bit for bit, over several steps (replays of the captured graph)."""
+    gradients bit for bit, over several steps (replays of the captured graph); with the attention
+    state offloaded too, the backward's refill reads the forward's own values."""
     assert has_cuda_gpu()
     from lorac.compiler import compile_graph
     from lorac.runtime import load_artifact
     outs = []
     for off in (False, True):
-        model = build_training_graph(SPEC, replace(TRAIN, offload=off))
+        model = build_training_graph(SPEC, replace(TRAIN, offload=off, offload_state=state if off else None))
         art = compile_graph(model, target={"kind": "cuda", "cuda_graph": True}, out_dir=tmp_path / str(off),
                             dtype="bfloat16")
         step = load_artifact(art, device="cuda")

@@ -1,15 +1,19 @@
 """The activation-offload units on CUDA (graphs/ops/offload.py): copies to and from host memory.
 
-    Offload(x) -> token       lorac.offload.<slot>(x, token)    x [N, D] out to pinned host memory
-    Fetch(token) -> x'        lorac.fetch.<slot>(token, x')     back, just before the recompute
+    Offload(x1..xn) -> tokens     lorac.offload.<slot>(x1..xn, token)   out to pinned host memory
+    Fetch(tokens) -> x1'..xn'     lorac.fetch.<slot>(token, x1'..xn')   back, before the recompute
 
-The token is a [1] int32 tensor: once Offload has run, nothing reads x, so the memory plan
-reuses its storage at once. Each slot (a layer) has functions of its own name, so the runtime
-knows the slot without a scalar argument (a host-side function per call in TVM's VM). In bf16
-builds the copies move x in bf16 (the residual stream is stored so: compiler/passes/
-residual_stream.py) and Fetch's result is widened where the recompute reads it. The manifest's
-`unit_calls` lists each slot with its shape and dtype: the runtime allocates the pinned buffers
-and staging before a CUDA graph captures the step (runtime/devices/cuda/offload.py).
+The token is one [1] int32 tensor (every output of Offload is it): once Offload has run,
+nothing reads the values, so the memory plan reuses their storage at once. Each slot (a layer)
+has functions of its own name, so the runtime knows the slot without a scalar argument (a
+host-side function per call in TVM's VM). In bf16 builds the copies move activations in bf16
+(how the step stores them: the residual stream, compiler/passes/residual_stream.py; GEMM
+outputs; cuDNN's attention inputs and output) and the values the graph marks wide (attention's
+row statistics) in fp32; Fetch's results are widened where the backward reads them, through the
+attention units' narrowing cache, so cuDNN's backward reads the fetched bf16 values themselves.
+The manifest's `unit_calls` lists each slot's tensors with shape and dtype: the runtime
+allocates the pinned buffers and staging before a CUDA graph captures the step
+(runtime/devices/cuda/offload.py).
 """
 from __future__ import annotations
 
@@ -23,28 +27,49 @@ def _shape(x) -> list[int]:
     return [int(d) for d in x.ty.shape.values]
 
 
-def converters(dtype: str) -> dict:
-    """Converter classes for the frontend; `calls` collects one entry per slot."""
+class _Cast:
+    """Plain casts, where no narrowing cache is shared (fp32 builds move values as they are)."""
+
+    def __call__(self, bb, x):
+        return x if str(x.ty.dtype) == "bfloat16" else bb.emit(relax.op.astype(x, "bfloat16"))
+
+    def widen(self, bb, x):
+        return bb.emit(relax.op.astype(x, "float32"))
+
+
+def converters(dtype: str, cache=None) -> dict:
+    """Converter classes for the frontend; `calls` collects one entry per slot. `cache`: the
+    attention units' narrowing cache (compiler/targets/cuda/attention.py) in bf16 builds."""
     from . import unit_converter
 
     calls: list = []
-    moved = "bfloat16" if dtype == "bfloat16" else "float32"
-    shapes: dict = {}  # slot -> (shape, source dtype)
+    narrow = dtype == "bfloat16"
+    cache = cache if cache is not None else _Cast()
+    slots: dict = {}  # slot -> [(shape, source dtype, moved dtype)]
 
     def offload(bb, inputs, attrs, _params):
-        x, slot = inputs[0], int(attrs["slot"])
-        shape = _shape(x)
-        shapes[slot] = (shape, str(x.ty.dtype))
-        calls.append({"function": OFFLOAD, "slot": slot, "shape": shape, "dtype": moved})
-        if str(x.ty.dtype) != moved:
-            x = bb.emit(relax.op.astype(x, moved))
-        return bb.emit(relax.call_dps_packed(f"{OFFLOAD}.{slot}", [x], TOKEN))
+        slot, wide = int(attrs["slot"]), int(attrs.get("wide", 0))
+        moved, entries = [], []
+        for i, x in enumerate(inputs):
+            source = str(x.ty.dtype)
+            if narrow and not wide >> i & 1 and source == "float32":
+                x = cache(bb, x)
+            moved.append(x)
+            entries.append((_shape(x), source, str(x.ty.dtype)))
+        slots[slot] = entries
+        calls.append({"function": OFFLOAD, "slot": slot,
+                      "tensors": [{"shape": s, "dtype": d} for s, _, d in entries]})
+        token = bb.emit(relax.call_dps_packed(f"{OFFLOAD}.{slot}", moved, TOKEN))
+        return token if len(inputs) == 1 else relax.Tuple([token] * len(inputs))
 
     def fetch(bb, inputs, attrs, _params):
         slot = int(attrs["slot"])
-        shape, source = shapes[slot]
-        x = bb.emit(relax.call_dps_packed(f"{FETCH}.{slot}", [inputs[0]], relax.TensorType(shape, moved)))
-        return bb.emit(relax.op.astype(x, source)) if source != moved else x
+        entries = slots[slot]
+        types = [relax.TensorType(s, d) for s, _, d in entries]
+        out = bb.emit(relax.call_dps_packed(f"{FETCH}.{slot}", [inputs[0]], types if len(types) > 1 else types[0]))
+        values = [out] if len(types) == 1 else [bb.emit(relax.TupleGetItem(out, i)) for i in range(len(types))]
+        values = [cache.widen(bb, v) if d != source else v for v, (_, source, d) in zip(values, entries)]
+        return values[0] if len(values) == 1 else relax.Tuple(values)
 
     return {"Offload": unit_converter("Offload", offload, unit_calls=calls),
             "Fetch": unit_converter("Fetch", fetch, unit_calls=calls)}

@@ -81,16 +81,23 @@ class AttentionSaved:
 def attention_forward(g, q, k, v, dims, scale: float | None = None, mask: Mask = Mask(), positions=None):
     """(o [B, S, H, Dh], saved for the backward). `positions` [B, S] (integers): packed rows, each
     query attends only within its own document (the packed units)."""
-    scale = dims[4] ** -0.5 if scale is None else scale
-    c = g.f(scale)
+    s = attention_saved(g, q, k, v, None, None, dims, scale, mask, positions)
+    mask = s.mask
     if positions is not None:
-        mask = replace(mask, packed=True)
         body = lambda fb, q_, k_, v_, pos, c_: _forward_body(fb, q_, k_, v_, c_, dims, mask, pos)
     else:
         body = lambda fb, *x: _forward_body(fb, *x, dims, mask)
-    ins = [q, k, v] + ([positions] if positions is not None else []) + [c]
-    o, lse = g.call(mask.unit(dims[3]), _variant(dims, g.np_float, mask), ins, 2, body)
-    return o, AttentionSaved(q, k, v, o, lse, c, mask, positions)
+    ins = [q, k, v] + ([positions] if positions is not None else []) + [s.scale]
+    s.o, s.lse = g.call(mask.unit(dims[3]), _variant(dims, g.np_float, mask), ins, 2, body)
+    return s.o, s
+
+
+def attention_saved(g, q, k, v, o, lse, dims, scale: float | None = None, mask: Mask = Mask(), positions=None):
+    """The AttentionSaved of a call on q, k, v with output o and statistics lse: the forward's, or
+    one rebuilt from copies (a checkpointed layer whose attention state waited in host memory)."""
+    scale = dims[4] ** -0.5 if scale is None else scale
+    mask = replace(mask, packed=True) if positions is not None else mask
+    return AttentionSaved(q, k, v, o, lse, g.f(scale), mask, positions)
 
 
 def attention_backward(g, do, saved: AttentionSaved, dims):

@@ -105,18 +105,28 @@ def linear_group_forward(g, x, projs: list):
     if len(lora) < 2:
         outs = [linear_forward(g, x, p) for p in projs]
         return [y for y, _ in outs], [u for _, u in outs]
-    r = int(lora[0].a.shape[0])
-    u_all = g.op("Mul", g.mm_t(x, g.op("Concat", *[p.a for p in lora], axis=0)), g.f(lora[0].scale))
-    ys, us, i = [], [], 0
-    for p in projs:
+    us = lora_inputs(g, x, projs)
+    ys = []
+    for p, u in zip(projs, us):
         y = g.mm_t(x, weight(g, p))
         if p.bias is not None:
             y = g.op("Add", y, p.bias)
-        u = None
-        if p.a is not None:  # y += u_i B_i^T, u_i the i-th adapted block of u_all
-            u = g.slice(u_all, i * r, (i + 1) * r, 1)
+        if u is not None:  # y += u_i B_i^T, u_i the i-th adapted block of the batched u
             y = g.op("Add", y, g.mm_t(u, p.b))
-            i += 1
         ys.append(y)
-        us.append(u)
     return ys, us
+
+
+def lora_inputs(g, x, projs: list) -> list:
+    """u = s x A^T of each projection of `projs` that reads x (None where not adapted), without
+    their frozen GEMMs: the adapted ones' A matrices in one GEMM where there are several."""
+    lora = [p for p in projs if p.a is not None]
+    if len(lora) < 2:
+        return [g.op("Mul", g.mm_t(x, p.a), g.f(p.scale)) if p.a is not None else None for p in projs]
+    r = int(lora[0].a.shape[0])
+    u_all = g.op("Mul", g.mm_t(x, g.op("Concat", *[p.a for p in lora], axis=0)), g.f(lora[0].scale))
+    us, i = [], 0
+    for p in projs:
+        us.append(None if p.a is None else g.slice(u_all, i * r, (i + 1) * r, 1))
+        i += p.a is not None
+    return us

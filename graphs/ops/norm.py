@@ -13,9 +13,14 @@ def rmsnorm_forward(g, x, w, eps: float):
     # means as sums times 1/D: TVM 0.27 fuses a product into a sum's kernel but not into a
     # mean's, where it became a kernel of its own writing x^2 (on the H200, 5 % of a
     # Qwen3-0.6B step)
-    ms = g.op("Mul", g.reduce_sum(g.op("Mul", x, x), -1), g.f(1.0 / int(w.shape[0])))
-    rstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.f(eps))))
-    return rmsnorm_apply(g, w, (x, rstd)), (x, rstd)
+    saved = rmsnorm_stats(g, x, int(w.shape[0]), eps)
+    return rmsnorm_apply(g, w, saved), saved
+
+
+def rmsnorm_stats(g, x, width: int, eps: float):
+    """What the backward keeps of a norm over the last axis (`width` values): (x, rstd)."""
+    ms = g.op("Mul", g.reduce_sum(g.op("Mul", x, x), -1), g.f(1.0 / width))
+    return x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.f(eps))))
 
 
 def rmsnorm_apply(g, w, saved):

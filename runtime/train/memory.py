@@ -57,10 +57,12 @@ class Choice:
     offload: bool = False  # the recomputed layers' inputs wait in host memory
 
 
-def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: bool = False) -> str:
+def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: bool = False, state: bool = False) -> str:
+    """The log's words for a setting; `state`: the offloaded layers send their attention state too."""
     if not checkpointing:
         return "checkpointing off"
-    where = ", their inputs offloaded to host memory" if offload and keep_layers < n_trained else ""
+    what = "inputs and attention state" if state else "inputs"
+    where = f", their {what} offloaded to host memory" if offload and keep_layers < n_trained else ""
     if keep_layers:
         return f"checkpointing on, keeping {min(keep_layers, n_trained)} of {n_trained} layers{where}"
     return f"checkpointing on, all {n_trained} layers recomputed{where}"
@@ -160,10 +162,14 @@ def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes:
 
 
 def offload_staging(spec, train, dtype: str) -> int:
-    """The device buffers offloaded inputs pass through (two each way: runtime/devices/cuda/offload.py)."""
+    """The device buffers offloaded values pass through: two of a layer's slot, its input or with
+    the attention state its TrainSpec.offload_state values (runtime/devices/cuda/offload.py)."""
     if not getattr(train, "offload", False):
         return 0
-    return 4 * train.batch * train.seq * spec.hidden * (2 if dtype == "bfloat16" else 4)
+    from lorac.graphs.compose import family, offloads_state
+    itemsize = 2 if dtype == "bfloat16" else 4
+    per = family(spec).offload_state_bytes(spec, itemsize) if offloads_state(spec, train) else itemsize * spec.hidden
+    return 2 * train.batch * train.seq * per
 
 
 def settings(n_trained: int, offload: bool = False):

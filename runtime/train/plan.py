@@ -150,7 +150,9 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
     cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
     if log is not None:
-        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off)} ({why})")
+        from lorac.graphs.compose import offloads_state
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off, offloads_state(spec, train))} "
+            f"({why})")
     return cfg, train
 
 

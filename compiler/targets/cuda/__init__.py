@@ -70,9 +70,11 @@ def native_units(dtype: str) -> dict:
     from ...units.scan import converters as scan
     if dtype != "bfloat16":
         return {**scan(gpu=True), **adamw(), **offload(dtype)}
-    from .attention import converters as attention
+    from .attention import Narrowing, converters as attention
     from ...units.swiglu import converters as swiglu
-    return {**attention(), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16"), **adamw(), **offload(dtype)}
+    cache = Narrowing()  # one for the graph: offloaded attention values are the ones cuDNN reads
+    return {**attention(cache), **scan(gpu=True, narrow="bfloat16"), **swiglu("bfloat16"), **adamw(),
+            **offload(dtype, cache)}
 
 
 def check_environment(request: dict) -> None:

@@ -65,7 +65,7 @@ def document_bias(bb, pos, B: int, S: int):
     return bb.emit(relax.op.astype(wide, _BF16))
 
 
-class _Narrowing:
+class Narrowing:
     """bf16 versions of fp32 values, emitted once per value in one frontend run."""
 
     def __init__(self):
@@ -99,14 +99,14 @@ def _scale(x) -> float:
     return float(x.value.numpy())
 
 
-def converters() -> dict:
+def converters(cache: Narrowing | None = None) -> dict:
     """Converter classes for the frontend (compiler.units.frontend_with), with one
-    narrowing cache for the whole graph. Each class's `calls` lists the shapes it
+    narrowing cache for the whole graph (`cache`: shared with the offload units). Each class's `calls` lists the shapes it
     converted (manifest `unit_calls`: the runtime builds their cuDNN plans at load time,
     before a CUDA graph captures the step)."""
     from ...units import unit_converter
 
-    cache = _Narrowing()
+    cache = Narrowing() if cache is None else cache
     calls: list = []
     biases: dict = {}  # position ids var -> its documents' bias (one per step, shared by every layer)
 

@@ -1,21 +1,26 @@
-"""Activation offload on CUDA: checkpointed layers' kept inputs wait in pinned host memory.
+"""Activation offload on CUDA: checkpointed layers' kept values wait in pinned host memory.
 
 The compiler maps the graph's Offload / Fetch units (graphs/ops/offload.py) to two functions a
 slot (a layer), registered here when the artifact loads (compiler/units/offload.py):
 
-    lorac.offload.<slot>(x, token)   x -> device staging (a copy on TVM's stream), then staging ->
-                                     the slot's pinned host buffer on a side stream: x's memory is
-                                     free for the plan at once, the PCIe copy overlaps the forward
-    lorac.fetch.<slot>(token, out)   the slot's host buffer -> device staging on the side stream
-                                     (issued one fetch ahead: the next slot's copy overlaps this
-                                     layer's backward), then staging -> out on TVM's stream
+    lorac.offload.<slot>(x1..xn, token)  each x -> its place in a device staging buffer (copies
+                                         on TVM's stream), then the buffer -> the slot's pinned
+                                         host buffer in one copy on a side stream: the values'
+                                         memory is free for the plan at once, the PCIe copy
+                                         overlaps the forward
+    lorac.fetch.<slot>(token, o1..on)    the slot's host buffer -> device staging on the side
+                                         stream (issued one fetch ahead: the next slot's copy
+                                         overlaps this layer's backward), then each place -> its
+                                         output on TVM's stream
 
-Staging is two device buffers each way, used by slots in turn; an event per buffer orders its
-reuse after the copy that reads it. Every decision (which buffer, whether to wait) depends only
-on a slot's place in the step's order (offloads ascending, fetches descending), so a CUDA graph
-captured on the first step replays it exactly; the side stream forks from TVM's stream with an
-event and joins it again at each fetch, as capture requires. Pinned buffers, staging and events
-are made when the artifact loads, before any capture.
+Staging is two device buffers, used by slots in turn, by the forward's copies out and then by
+the backward's copies back (the side stream runs every copy out before any copy back, and the
+forward's writes into a buffer precede its copy out); an event per buffer and direction orders
+its reuse after the copy that reads it. Every decision (which buffer, whether to wait) depends
+only on a slot's place in the step's order (offloads ascending, fetches descending), so a CUDA
+graph captured on the first step replays it exactly; the side stream forks from TVM's stream
+with an event and joins it again at each fetch, as capture requires. Pinned buffers, staging
+and events are made when the artifact loads, before any capture.
 """
 from __future__ import annotations
 
@@ -72,6 +77,27 @@ def _alloc(nbytes: int, host: bool) -> int:
     return ptr.value
 
 
+ALIGN = 256  # each value's place in a slot's buffers (cudaMalloc's alignment)
+ITEMSIZE = {"bfloat16": 2, "float32": 4}
+
+
+def slot_layout(call: dict) -> tuple[list[tuple[int, int]], int]:
+    """([(offset, bytes)] of each value of a manifest `unit_calls` offload entry, total bytes); an
+    entry lists its values under "tensors" (older artifacts: one value, "shape" and "dtype")."""
+    tensors = call.get("tensors") or [{"shape": call["shape"], "dtype": call["dtype"]}]
+    places, at = [], 0
+    for t in tensors:
+        nbytes = ITEMSIZE[t["dtype"]] * int(_prod(t["shape"]))
+        places.append((at, nbytes))
+        at += -(-nbytes // ALIGN) * ALIGN
+    return places, at
+
+
+def staging_bytes(calls: list) -> int:
+    """Device memory the staging takes for a step's offload entries: two buffers of its biggest slot."""
+    return 2 * max((slot_layout(c)[1] for c in calls), default=0)
+
+
 def prepare(manifest) -> None:
     """Pinned host buffers per slot, staging, events, the side stream; the functions registered."""
     import tvm_ffi
@@ -80,22 +106,19 @@ def prepare(manifest) -> None:
     if not calls:
         return
     _init()
-    itemsize = {"bfloat16": 2, "float32": 4}
-    need = {}
-    for c in calls:
-        need[int(c["slot"])] = itemsize[c["dtype"]] * int(_prod(c["shape"]))
-    biggest = max(need.values())
+    need = {int(c["slot"]): slot_layout(c) for c in calls}
+    biggest = max(total for _, total in need.values())
     if _state.get("staging_bytes", 0) < biggest:
         side = ctypes.c_void_p()
         _check(_rt.cudaStreamCreateWithFlags(ctypes.byref(side), 1), "cudaStreamCreate")  # non-blocking
-        _state.update(side=side, staging_bytes=biggest,
-                      out=[_alloc(biggest, False) for _ in range(2)], back=[_alloc(biggest, False) for _ in range(2)],
+        _state.update(side=side, staging_bytes=biggest, staging=[_alloc(biggest, False) for _ in range(2)],
                       out_done=[_event() for _ in range(2)], out_ready=[_event() for _ in range(2)],
                       back_done=[_event() for _ in range(2)], back_ready=[_event() for _ in range(2)])
-    for slot, nbytes in need.items():
+    for slot, (places, nbytes) in need.items():
         old = _state.get(slot)
         if old is None or old["bytes"] < nbytes:
             _state[slot] = {"host": _alloc(nbytes, True), "bytes": nbytes}
+        _state[slot]["places"] = places
         tvm_ffi.register_global_func(f"{OFFLOAD}.{slot}", _offloader(slot), override=True)
         tvm_ffi.register_global_func(f"{FETCH}.{slot}", _fetcher(slot), override=True)
     _state["order"] = sorted(need)
@@ -113,16 +136,18 @@ def _copy(dst: int, src: int, nbytes: int, kind: int, stream) -> None:
 
 
 def _offloader(slot: int):
-    def offload(x, token) -> None:
+    def offload(*args) -> None:
+        xs = args[:-1]  # the last argument is the token
         s, order = _state, _state["order"]
         pos, nbytes = order.index(slot), s[slot]["bytes"]
-        main, side, k = _get_stream(2, x.device.index), s["side"], pos % 2
+        main, side, k = _get_stream(2, xs[0].device.index), s["side"], pos % 2
         if pos >= 2:  # this staging buffer's last D2H (two slots ago, this step) must be done
             _check(_rt.cudaStreamWaitEvent(main, s["out_done"][k], 0), "cudaStreamWaitEvent")
-        _copy(s["out"][k], x.data_ptr(), nbytes, _D2D, main)
+        for x, (at, n) in zip(xs, s[slot]["places"]):
+            _copy(s["staging"][k] + at, x.data_ptr(), n, _D2D, main)
         _check(_rt.cudaEventRecord(s["out_ready"][k], main), "cudaEventRecord")
         _check(_rt.cudaStreamWaitEvent(side, s["out_ready"][k], 0), "cudaStreamWaitEvent")
-        _copy(s[slot]["host"], s["out"][k], nbytes, _D2H, side)
+        _copy(s[slot]["host"], s["staging"][k], nbytes, _D2H, side)
         _check(_rt.cudaEventRecord(s["out_done"][k], side), "cudaEventRecord")
     return offload
 
@@ -132,21 +157,22 @@ def _start_fetch(slot: int, k: int, main) -> None:
     s = _state
     _check(_rt.cudaEventRecord(s["back_done"][k], main), "cudaEventRecord")
     _check(_rt.cudaStreamWaitEvent(s["side"], s["back_done"][k], 0), "cudaStreamWaitEvent")
-    _copy(s["back"][k], s[slot]["host"], s[slot]["bytes"], _H2D, s["side"])
+    _copy(s["staging"][k], s[slot]["host"], s[slot]["bytes"], _H2D, s["side"])
     _check(_rt.cudaEventRecord(s["back_ready"][k], s["side"]), "cudaEventRecord")
 
 
 def _fetcher(slot: int):
-    def fetch(token, out) -> None:
+    def fetch(token, *outs) -> None:
         s = _state
         order = s["order"][::-1]  # the backward fetches from the top layer down
         pos = order.index(slot)
-        main = _get_stream(2, out.device.index)
+        main = _get_stream(2, outs[0].device.index)
         if pos == 0:  # the first fetch of the step starts its own copy (its D2H joined in order on the side stream)
             _start_fetch(slot, 0, main)
         if pos + 1 < len(order):  # the next layer's copy runs while this one is recomputed
             _start_fetch(order[pos + 1], (pos + 1) % 2, main)
         k = pos % 2
         _check(_rt.cudaStreamWaitEvent(main, s["back_ready"][k], 0), "cudaStreamWaitEvent")
-        _copy(out.data_ptr(), s["back"][k], s[slot]["bytes"], _D2D, main)
+        for out, (at, n) in zip(outs, s[slot]["places"]):
+            _copy(out.data_ptr(), s["staging"][k] + at, n, _D2D, main)
     return fetch
