@@ -102,6 +102,10 @@ CASES = {
                                                                  "offload": True}, []),
     "8b-4x2048-nf4e-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0},
                               ["fast:unsloth-4bit-gc"]),
+    # the same with the recomputed layers' attention state offloaded too (TrainSpec.offload_state: the rule)
+    "8b-4x2048-nf4e-auto10-state": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4",
+                                                                      "memory_budget": 10.0, "offload_state": None},
+                                    ["fast:unsloth-4bit-gc"]),
     # a 16 GB and a 24 GB card: what the memory beyond Unsloth's buys (more layers kept, fewer recomputed)
     "8b-4x2048-nf4e-auto16": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 16.0},
                               []),
@@ -109,6 +113,9 @@ CASES = {
                               []),
     "70b-1x2048-nf4e-offload": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
                                                                      "offload": True, "loss_chunk": 1024}, []),
+    "70b-1x2048-nf4e-offload-state": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4",
+                                                                           "checkpointing": True, "offload": True,
+                                                                           "offload_state": None, "loss_chunk": 1024}, []),
     "70b-1x2048-nf4e-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 48.0},
                                []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},

@@ -74,8 +74,8 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
 
 
 def offloads_state(spec, train) -> bool:
-    """Whether the step's offloaded layers send their attention state too (TrainSpec.offload_state;
-    None: where the family implements it and says the copies hide behind the forward)."""
+    """Whether the step's offloaded layers send their attention state too (TrainSpec.offload_state,
+    where the family implements it; None: where the family says the copies hide behind the forward)."""
     fam = family(spec)
     if not train.offload or not hasattr(fam, "layer_refill"):
         return False

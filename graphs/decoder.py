@@ -182,9 +182,9 @@ def layer_forward(c: Ctx, x, L: Layer):
     return g.op("Add", x1, dn), Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, act, u)
 
 
-# Host-link bytes a forward FLOP can hide: ~47 GB/s of pinned copies against ~750 TFLOP/s of bf16
-# GEMMs (an H100 / H200, measured: docs/BENCHMARKS.md) is 6.3e-5; the forward's attention, norms
-# and elementwise kernels (a quarter of its GEMM time at the Llama-3-8B shape) add the rest
+# Host-link bytes a forward FLOP can hide: ~50 GB/s of pinned copies out against ~750-800 TFLOP/s of
+# bf16 GEMMs (an H100, measured: docs/BENCHMARKS.md) is 6.5e-5; the forward's attention, norms and
+# elementwise kernels (a quarter of its GEMM time at the Llama-3-8B shape) add the rest
 STATE_BYTES_PER_FLOP = 7.5e-5
 
 

@@ -107,9 +107,10 @@ class TrainSpec:
     keep_layers: int = 0  # with checkpointing: the highest trained layers that keep their activations
     offload: bool = False  # with checkpointing: recomputed layers' kept inputs wait in host memory (offload.py)
     # with offload, a recomputed layer also moves what its attention's backward reads (q, k, v, the
-    # output, the row statistics) to host memory, and its backward recomputes only the MLP half:
-    # None = where the family says the copies hide behind the forward (decoder.state_offload_pays)
-    offload_state: bool | None = None
+    # output, the row statistics) to host memory, and its backward recomputes only the MLP half;
+    # None = where the family says the copies hide behind the forward (decoder.state_offload_pays).
+    # Off unless asked for: its CUDA copies are not yet measured on a GPU (docs/RUNTIME.md, Offload)
+    offload_state: bool | None = False
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)

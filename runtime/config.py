@@ -108,8 +108,7 @@ class TrainConfig:
     # "auto": the fastest setting whose estimated memory fits the GPU (runtime/train/memory.py);
     # a bare --checkpointing means on, as when the flag was a switch
     checkpointing: str = setting("auto", "recompute layers' forwards in the backward (less memory): on, off, "
-                                 "offload (on, and the recomputed layers' inputs wait in pinned host memory, with their "
-                                 "attention state where the host link keeps up: cuda), "
+                                 "offload (on, and the recomputed layers' inputs wait in pinned host memory: cuda), "
                                  "or auto: on cuda the fastest setting (none, or the most --keep-layers, offloaded "
                                  "or not) whose estimated memory fits the GPU's free memory or --memory-budget; off "
                                  "elsewhere (docs/RUNTIME.md)", bare="on")

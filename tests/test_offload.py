@@ -101,9 +101,10 @@ def test_offloaded_attention_state_computes_what_checkpointing_computes(spec, se
         assert np.array_equal(a, b)
 
 
-def test_state_offload_is_the_default_where_the_copies_hide_behind_the_forward():
+def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     """TrainSpec.offload_state None: the family's rule (bytes of the state a forward FLOP) picks it for
-    Llama-3-8B and -70B shapes, not for Qwen3-0.6B's quick layers nor the test models."""
+    Llama-3-8B and -70B shapes, not for Qwen3-0.6B's quick layers nor the test models; the default
+    (False) asks for the input alone."""
     from lorac.graphs.compose import offloads_state
     from lorac.runtime.train import memory
     llama = dict(model_type="llama", vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -114,14 +115,15 @@ def test_state_offload_is_the_default_where_the_copies_hide_behind_the_forward()
     q06 = ModelSpec.from_hf_config(dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                         head_dim=128, tie_word_embeddings=True))
-    on = replace(TRAIN, offload=True)
+    on = replace(TRAIN, offload=True, offload_state=None)
+    assert not offloads_state(l8, replace(on, offload_state=False)) and TrainSpec(1, 2).offload_state is False
     assert offloads_state(l8, on) and offloads_state(l70, on)
     assert not offloads_state(q06, on) and not offloads_state(SPEC, on)
     assert not offloads_state(l8, replace(on, offload=False))
-    # staging: two slots' worth (runtime/devices/cuda/offload.py): the input alone, or with the state
+    # staging: two slots each way (runtime/devices/cuda/offload.py): the input alone, or with the state
     big = replace(on, batch=4, seq=2048)
-    assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
-    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 4 * 8192 * 4096 * 2
+    assert memory.offload_staging(l8, big, "bfloat16") == 4 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
 
 
 def test_offload_slot_layout_reads_old_and_new_manifest_entries():
@@ -132,7 +134,7 @@ def test_offload_slot_layout_reads_old_and_new_manifest_entries():
            "tensors": [{"shape": [3, 5], "dtype": "bfloat16"}, {"shape": [2, 4, 48, 1], "dtype": "float32"}]}
     places, total = slot_layout(new)
     assert places == [(0, 30), (256, 1536)] and total == 256 + 1536  # each value at a 256-byte boundary
-    assert staging_bytes([old, new]) == 2 * max(96 * 64 * 2, total)
+    assert staging_bytes([old, new]) == 4 * max(96 * 64 * 2, total)
 
 
 def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):

@@ -13,10 +13,8 @@ slot (a layer), registered here when the artifact loads (compiler/units/offload.
                                          overlaps this layer's backward), then each place -> its
                                          output on TVM's stream
 
-Staging is two device buffers, used by slots in turn, by the forward's copies out and then by
-the backward's copies back (the side stream runs every copy out before any copy back, and the
-forward's writes into a buffer precede its copy out); an event per buffer and direction orders
-its reuse after the copy that reads it. Every decision (which buffer, whether to wait) depends
+Staging is two device buffers each way, used by slots in turn; an event per buffer orders its
+reuse after the copy that reads it. Every decision (which buffer, whether to wait) depends
 only on a slot's place in the step's order (offloads ascending, fetches descending), so a CUDA
 graph captured on the first step replays it exactly; the side stream forks from TVM's stream
 with an event and joins it again at each fetch, as capture requires. Pinned buffers, staging
@@ -94,8 +92,9 @@ def slot_layout(call: dict) -> tuple[list[tuple[int, int]], int]:
 
 
 def staging_bytes(calls: list) -> int:
-    """Device memory the staging takes for a step's offload entries: two buffers of its biggest slot."""
-    return 2 * max((slot_layout(c)[1] for c in calls), default=0)
+    """Device memory the staging takes for a step's offload entries: two buffers each way of its
+    biggest slot."""
+    return 4 * max((slot_layout(c)[1] for c in calls), default=0)
 
 
 def prepare(manifest) -> None:
@@ -111,7 +110,8 @@ def prepare(manifest) -> None:
     if _state.get("staging_bytes", 0) < biggest:
         side = ctypes.c_void_p()
         _check(_rt.cudaStreamCreateWithFlags(ctypes.byref(side), 1), "cudaStreamCreate")  # non-blocking
-        _state.update(side=side, staging_bytes=biggest, staging=[_alloc(biggest, False) for _ in range(2)],
+        _state.update(side=side, staging_bytes=biggest,
+                      out=[_alloc(biggest, False) for _ in range(2)], back=[_alloc(biggest, False) for _ in range(2)],
                       out_done=[_event() for _ in range(2)], out_ready=[_event() for _ in range(2)],
                       back_done=[_event() for _ in range(2)], back_ready=[_event() for _ in range(2)])
     for slot, (places, nbytes) in need.items():
@@ -144,10 +144,10 @@ def _offloader(slot: int):
         if pos >= 2:  # this staging buffer's last D2H (two slots ago, this step) must be done
             _check(_rt.cudaStreamWaitEvent(main, s["out_done"][k], 0), "cudaStreamWaitEvent")
         for x, (at, n) in zip(xs, s[slot]["places"]):
-            _copy(s["staging"][k] + at, x.data_ptr(), n, _D2D, main)
+            _copy(s["out"][k] + at, x.data_ptr(), n, _D2D, main)
         _check(_rt.cudaEventRecord(s["out_ready"][k], main), "cudaEventRecord")
         _check(_rt.cudaStreamWaitEvent(side, s["out_ready"][k], 0), "cudaStreamWaitEvent")
-        _copy(s[slot]["host"], s["staging"][k], nbytes, _D2H, side)
+        _copy(s[slot]["host"], s["out"][k], nbytes, _D2H, side)
         _check(_rt.cudaEventRecord(s["out_done"][k], side), "cudaEventRecord")
     return offload
 
@@ -157,7 +157,7 @@ def _start_fetch(slot: int, k: int, main) -> None:
     s = _state
     _check(_rt.cudaEventRecord(s["back_done"][k], main), "cudaEventRecord")
     _check(_rt.cudaStreamWaitEvent(s["side"], s["back_done"][k], 0), "cudaStreamWaitEvent")
-    _copy(s["staging"][k], s[slot]["host"], s[slot]["bytes"], _H2D, s["side"])
+    _copy(s["back"][k], s[slot]["host"], s[slot]["bytes"], _H2D, s["side"])
     _check(_rt.cudaEventRecord(s["back_ready"][k], s["side"]), "cudaEventRecord")
 
 
@@ -174,5 +174,5 @@ def _fetcher(slot: int):
         k = pos % 2
         _check(_rt.cudaStreamWaitEvent(main, s["back_ready"][k], 0), "cudaStreamWaitEvent")
         for out, (at, n) in zip(outs, s[slot]["places"]):
-            _copy(out.data_ptr(), s["staging"][k] + at, n, _D2D, main)
+            _copy(out.data_ptr(), s["back"][k] + at, n, _D2D, main)
     return fetch
