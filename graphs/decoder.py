@@ -191,9 +191,9 @@ STATE_BYTES_PER_FLOP = 7.5e-5
 def state_offload_pays(spec) -> bool:
     """Whether a recomputed layer's attention state (attention_state: x, q, k, v, the output in
     bf16, the row statistics in fp32; q and k before their norms too where the model has them)
-    copies to host memory within the time its forward computes, so offload_state is the default
-    (TrainSpec.offload_state None): Llama-3-8B and larger shapes yes, small ones no (their layers
-    are too quick for the link: a Qwen3-0.6B layer would wait ~10x its compute)."""
+    copies to host memory within the time its forward computes: what TrainSpec.offload_state None
+    takes. Llama-3-8B and larger shapes yes, small ones no (their layers are too quick for the
+    link: a Qwen3-0.6B layer would wait ~10x its compute)."""
     D, I = spec.hidden, spec.intermediate
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     flops = 2 * (2 * D * q + 2 * D * kv + 3 * D * I)
