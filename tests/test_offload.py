@@ -3,6 +3,7 @@ host memory. The graph computes what plain checkpointing computes; the CUDA buil
 units to the runtime's copies, and the plan no longer holds the inputs."""
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import replace
 
@@ -176,3 +177,86 @@ def test_offloaded_step_equals_the_checkpointed_step_on_the_gpu(tmp_path, state)
     for a, b in zip(*outs):
         for k in a:
             assert np.array_equal(a[k], b[k]), k
+
+
+class _HostCuda:
+    """cudart as the offload runtime calls it, on host memory: copies happen at once (no streams),
+    so a test sees where each value goes and comes back from (runtime/devices/cuda/offload.py)."""
+
+    def __init__(self):
+        self.keep, self.copies = [], []
+
+    def _buffer(self, ref, nbytes):
+        buf = ctypes.create_string_buffer(nbytes)
+        self.keep.append(buf)
+        ref._obj.value = ctypes.addressof(buf)
+        return 0
+
+    def cudaHostAlloc(self, ref, nbytes, _flags):
+        return self._buffer(ref, nbytes)
+
+    def cudaMalloc(self, ref, nbytes):
+        return self._buffer(ref, nbytes)
+
+    def cudaMemcpyAsync(self, dst, src, nbytes, kind, _stream):
+        self.copies.append(kind)
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def cudaEventCreateWithFlags(self, ref, _flags):
+        ref._obj.value = len(self.keep) + 1
+        self.keep.append(None)
+        return 0
+
+    def cudaStreamCreateWithFlags(self, ref, _flags):
+        ref._obj.value = 99
+        return 0
+
+    def cudaEventRecord(self, *_):
+        return 0
+
+    def cudaStreamWaitEvent(self, *_):
+        return 0
+
+
+class _Tensor:
+    def __init__(self, a):
+        self.a, self.device = a, type("Dev", (), {"index": 0})()
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+
+def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch):
+    """Several values a slot (the attention state: bf16 activations, fp32 statistics, odd sizes):
+    each comes back from host memory into its own output, over a step's order (offloads
+    ascending, fetches descending, one fetch ahead) and a second step through the same staging."""
+    from lorac.runtime.devices.cuda import offload as rt
+    cuda = _HostCuda()
+    monkeypatch.setattr(rt, "_rt", cuda)
+    monkeypatch.setattr(rt, "_get_stream", lambda *_: 1)
+    monkeypatch.setattr(rt, "_state", {})
+    shapes = [([5, 7], "bfloat16", np.uint16), ([3, 1, 2], "float32", np.float32), ([129], "bfloat16", np.uint16)]
+    slots = [0, 1, 2, 4]
+    manifest = type("M", (), {"unit_calls": [
+        {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": sh, "dtype": d} for sh, d, _ in shapes]}
+        for s in slots]})()
+    rt.prepare(manifest)
+    rng = np.random.default_rng(0)
+    for step in range(2):
+        values = {s: [rng.integers(0, 60000, sh).astype(t) if t == np.uint16 else rng.standard_normal(sh).astype(t)
+                      for sh, _, t in shapes] for s in slots}
+        for s in slots:
+            sent = [_Tensor(v.copy()) for v in values[s]]
+            rt._offloader(s)(*sent, None)
+            for x in sent:  # the plan reuses the values' memory at once
+                x.a[...] = 0
+        for s in reversed(slots):
+            outs = [_Tensor(np.zeros_like(v)) for v in values[s]]
+            rt._fetcher(s)(None, *outs)
+            for o, v in zip(outs, values[s]):
+                assert np.array_equal(o.a, v), (step, s)
+    # a slot's values: one copy to the host and one back, each value its own copy in and out of staging
+    n = len(shapes)
+    assert cuda.copies.count(rt._D2H) == cuda.copies.count(rt._H2D) == 2 * len(slots)
+    assert cuda.copies.count(rt._D2D) == 2 * 2 * len(slots) * n
