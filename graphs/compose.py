@@ -44,7 +44,8 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         kept = offload(g, [x], L.idx) if recomputed and train.offload and not state else x
         x_out, s = fam.layer_forward(c, x, L)
         if recomputed and state:
-            kept = offload(g, [x] + fam.attention_state(s), L.idx, wide=(5,))  # the row statistics
+            held, wide = fam.attention_state(s)
+            kept = offload(g, [x] + held, L.idx, wide=tuple(1 + i for i in wide))  # after the input
         inputs.append(kept)
         x = x_out
         saved.append(None if (recomputed or L.idx < lowest) else s)

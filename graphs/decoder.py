@@ -208,13 +208,13 @@ def offload_state_bytes(spec, itemsize: int = 2) -> int:
     return itemsize * (D + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)) + 4 * spec.heads
 
 
-def attention_state(s: Saved) -> list:
-    """What a recomputed layer with offload_state sends to host memory besides its input (in
-    this order; layer_refill takes them back): what its attention's backward reads (q, k, v, o and
-    the row statistics lse, which move in fp32: compose.py), and the q/k norms' inputs where the
-    model has them."""
+def attention_state(s: Saved) -> tuple[list, tuple]:
+    """(values, wide): what a recomputed layer with offload_state sends to host memory besides
+    its input (in this order; layer_refill takes them back): what its attention's backward reads
+    (q, k, v, o and the row statistics lse) and the q/k norms' inputs where the model has them;
+    `wide`, the indices of those a bf16 step moves in fp32 (lse: graphs/ops/offload.py)."""
     a = s.att
-    return [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else [])
+    return [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else []), (4,)
 
 
 def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:

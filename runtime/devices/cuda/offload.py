@@ -91,12 +91,6 @@ def slot_layout(call: dict) -> tuple[list[tuple[int, int]], int]:
     return places, at
 
 
-def staging_bytes(calls: list) -> int:
-    """Device memory the staging takes for a step's offload entries: two buffers each way of its
-    biggest slot."""
-    return 4 * max((slot_layout(c)[1] for c in calls), default=0)
-
-
 def prepare(manifest) -> None:
     """Pinned host buffers per slot, staging, events, the side stream; the functions registered."""
     import tvm_ffi
