@@ -100,6 +100,9 @@ CASES = {
                              ["fast:unsloth-4bit-gc"]),
     "8b-1x2048-nf4e-offload": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
                                                                  "offload": True}, []),
+    "8b-1x2048-nf4e-auto8-state": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4",
+                                                                    "memory_budget": 8.0, "offload_state": None},
+                                   ["fast:unsloth-4bit-gc"]),
     "8b-4x2048-nf4e-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0},
                               ["fast:unsloth-4bit-gc"]),
     # the same with the recomputed layers' attention state offloaded too (TrainSpec.offload_state: the rule)
