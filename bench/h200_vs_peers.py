@@ -89,6 +89,10 @@ CASES = {
     # the same with 512-token loss chunks: ~0.26 GB less logits buffers than 1024, under Unsloth's 19.1 GB
     "8b-4x2048-offload-lc512": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
                                                                   "loss_chunk": 512}, ["fast:unsloth-gc"]),
+    # the same with the attention state offloaded too (TrainSpec.offload_state: the rule)
+    "8b-4x2048-offload-lc512-state": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
+                                                                        "offload_state": None, "loss_chunk": 512},
+                                      ["fast:unsloth-gc"]),
     # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
     "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
     # every layer recomputed, inputs offloaded: the leanest setting (auto48's estimate, 46.8 GB, is at its budget)

@@ -121,10 +121,10 @@ def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     assert offloads_state(l8, on) and offloads_state(l70, on)
     assert not offloads_state(q06, on) and not offloads_state(SPEC, on)
     assert not offloads_state(l8, replace(on, offload=False))
-    # staging: two slots each way (runtime/devices/cuda/offload.py): the input alone, or with the state
+    # staging: two slots, shared by both directions (runtime/devices/cuda/offload.py): the input alone, or with the state
     big = replace(on, batch=4, seq=2048)
-    assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 4 * 8192 * 4096 * 2
-    assert memory.offload_staging(l8, big, "bfloat16") == 4 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
+    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
 
 
 def test_offload_slot_layout_reads_old_and_new_manifest_entries():
@@ -241,9 +241,9 @@ def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch):
         {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": sh, "dtype": d} for sh, d, _ in shapes]}
         for s in slots]})()
     rt.prepare(manifest)
-    # staging: two buffers each way, each the size of the biggest slot (what memory.offload_staging counts)
+    # staging: two buffers, shared by both directions, each the size of the biggest slot (what memory.offload_staging counts)
     assert rt._state["staging_bytes"] == rt.slot_layout(manifest.unit_calls[0])[1]
-    assert len(rt._state["out"]) == len(rt._state["back"]) == 2
+    assert len(rt._state["staging"]) == 2
     rng = np.random.default_rng(0)
     for step in range(2):
         values = {s: [rng.integers(0, 60000, sh).astype(t) if t == np.uint16 else rng.standard_normal(sh).astype(t)
@@ -262,3 +262,23 @@ def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch):
     n = len(shapes)
     assert cuda.copies.count(rt._D2H) == cuda.copies.count(rt._H2D) == 2 * len(slots)
     assert cuda.copies.count(rt._D2D) == 2 * 2 * len(slots) * n
+
+
+def test_offload_runtime_refuses_more_pinned_memory_than_the_host_has(monkeypatch):
+    """Before any pinning: one line naming the bytes needed, the bytes available and the ways out."""
+    from lorac.core.errors import LoracError
+    from lorac.runtime.devices import cpu
+    from lorac.runtime.devices.cuda import offload as rt
+    cuda = _HostCuda()
+    monkeypatch.setattr(rt, "_rt", cuda)
+    monkeypatch.setattr(rt, "_state", {})
+    manifest = type("M", (), {"unit_calls": [
+        {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": [1000, 1000], "dtype": "bfloat16"}]} for s in (0, 1)]})()
+    monkeypatch.setattr(cpu, "memory_free", lambda: 3_000_000)  # 2 slots of 2 MB need 4 MB
+    with pytest.raises(LoracError, match=r"needs 0\.0 GB of pinned host memory.*--memory-budget") as e:
+        rt.prepare(manifest)
+    assert "\n" not in str(e.value) and cuda.keep == []  # nothing allocated
+    monkeypatch.setattr(cpu, "memory_free", lambda: 10_000_000)
+    monkeypatch.setattr(rt, "_get_stream", lambda *_: 1)
+    rt.prepare(manifest)  # fits: allocated
+    assert rt._state[0]["bytes"] == rt._state[1]["bytes"] == rt.slot_layout(manifest.unit_calls[0])[1] >= 2_000_000

@@ -162,14 +162,15 @@ def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes:
 
 
 def offload_staging(spec, train, dtype: str) -> int:
-    """The device buffers offloaded values pass through: two each way of a layer's slot, its input
-    or with the attention state its TrainSpec.offload_state values (runtime/devices/cuda/offload.py)."""
+    """The device buffers offloaded values pass through: two of a layer's slot (both directions
+    share them), its input or with the attention state its TrainSpec.offload_state values
+    (runtime/devices/cuda/offload.py)."""
     if not getattr(train, "offload", False):
         return 0
     from lorac.graphs.compose import family, offloads_state
     itemsize = 2 if dtype == "bfloat16" else 4
     per = family(spec).offload_state_bytes(spec, itemsize) if offloads_state(spec, train) else itemsize * spec.hidden
-    return 4 * train.batch * train.seq * per
+    return 2 * train.batch * train.seq * per
 
 
 def settings(n_trained: int, offload: bool = False):

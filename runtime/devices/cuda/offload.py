@@ -13,8 +13,11 @@ slot (a layer), registered here when the artifact loads (compiler/units/offload.
                                          overlaps this layer's backward), then each place -> its
                                          output on TVM's stream
 
-Staging is two device buffers each way, used by slots in turn; an event per buffer orders its
-reuse after the copy that reads it. Every decision (which buffer, whether to wait) depends
+Staging is two device buffers, used by slots in turn, first by the forward's copies out, then by
+the backward's copies back: the side stream runs every copy out before any copy back, and each
+copy out waits for the forward's writes into its buffer, so a fetch's copy into a buffer follows
+the last copy out of it. An event per buffer and direction orders its reuse after the copy that
+reads it. Every decision (which buffer, whether to wait) depends
 only on a slot's place in the step's order (offloads ascending, fetches descending), so a CUDA
 graph captured on the first step replays it exactly; the side stream forks from TVM's stream
 with an event and joins it again at each fetch, as capture requires. Pinned buffers, staging
@@ -100,12 +103,13 @@ def prepare(manifest) -> None:
         return
     _init()
     need = {int(c["slot"]): slot_layout(c) for c in calls}
+    check_host_memory(sum(n for slot, (_, n) in need.items() if _state.get(slot, {}).get("bytes", 0) < n))
     biggest = max(total for _, total in need.values())
     if _state.get("staging_bytes", 0) < biggest:
         side = ctypes.c_void_p()
         _check(_rt.cudaStreamCreateWithFlags(ctypes.byref(side), 1), "cudaStreamCreate")  # non-blocking
         _state.update(side=side, staging_bytes=biggest,
-                      out=[_alloc(biggest, False) for _ in range(2)], back=[_alloc(biggest, False) for _ in range(2)],
+                      staging=[_alloc(biggest, False) for _ in range(2)],
                       out_done=[_event() for _ in range(2)], out_ready=[_event() for _ in range(2)],
                       back_done=[_event() for _ in range(2)], back_ready=[_event() for _ in range(2)])
     for slot, (places, nbytes) in need.items():
@@ -116,6 +120,20 @@ def prepare(manifest) -> None:
         tvm_ffi.register_global_func(f"{OFFLOAD}.{slot}", _offloader(slot), override=True)
         tvm_ffi.register_global_func(f"{FETCH}.{slot}", _fetcher(slot), override=True)
     _state["order"] = sorted(need)
+
+
+HOST_SHARE = 0.9  # of the host's available memory the pinned buffers may take (pinned pages never swap)
+
+
+def check_host_memory(nbytes: int) -> None:
+    """A clear error, before any pinning, where the offloaded values would not fit host memory."""
+    from ..cpu import memory_free
+    free = memory_free()
+    if free is not None and nbytes > HOST_SHARE * free:
+        raise LoracError(
+            f"activation offload needs {nbytes / 1e9:.1f} GB of pinned host memory for the recomputed layers' "
+            f"values, and this machine has {free / 1e9:.1f} GB available: keep more layers on the GPU (a larger "
+            f"--memory-budget or --keep-layers), offload without the attention state, or shorten --seq or --batch")
 
 
 def _prod(shape) -> int:
@@ -138,10 +156,10 @@ def _offloader(slot: int):
         if pos >= 2:  # this staging buffer's last D2H (two slots ago, this step) must be done
             _check(_rt.cudaStreamWaitEvent(main, s["out_done"][k], 0), "cudaStreamWaitEvent")
         for x, (at, n) in zip(xs, s[slot]["places"]):
-            _copy(s["out"][k] + at, x.data_ptr(), n, _D2D, main)
+            _copy(s["staging"][k] + at, x.data_ptr(), n, _D2D, main)
         _check(_rt.cudaEventRecord(s["out_ready"][k], main), "cudaEventRecord")
         _check(_rt.cudaStreamWaitEvent(side, s["out_ready"][k], 0), "cudaStreamWaitEvent")
-        _copy(s[slot]["host"], s["out"][k], nbytes, _D2H, side)
+        _copy(s[slot]["host"], s["staging"][k], nbytes, _D2H, side)
         _check(_rt.cudaEventRecord(s["out_done"][k], side), "cudaEventRecord")
     return offload
 
@@ -151,7 +169,7 @@ def _start_fetch(slot: int, k: int, main) -> None:
     s = _state
     _check(_rt.cudaEventRecord(s["back_done"][k], main), "cudaEventRecord")
     _check(_rt.cudaStreamWaitEvent(s["side"], s["back_done"][k], 0), "cudaStreamWaitEvent")
-    _copy(s["back"][k], s[slot]["host"], s[slot]["bytes"], _H2D, s["side"])
+    _copy(s["staging"][k], s[slot]["host"], s[slot]["bytes"], _H2D, s["side"])
     _check(_rt.cudaEventRecord(s["back_ready"][k], s["side"]), "cudaEventRecord")
 
 
@@ -168,5 +186,5 @@ def _fetcher(slot: int):
         k = pos % 2
         _check(_rt.cudaStreamWaitEvent(main, s["back_ready"][k], 0), "cudaStreamWaitEvent")
         for out, (at, n) in zip(outs, s[slot]["places"]):
-            _copy(out.data_ptr(), s["back"][k] + at, n, _D2D, main)
+            _copy(out.data_ptr(), s["staging"][k] + at, n, _D2D, main)
     return fetch
