@@ -25,6 +25,8 @@ CPU = "cpu"  # the default --target: every machine has one
 BOUNDS = {"lr": (0.0, 1.0, False), "loraplus_ratio": (0.0, 1000.0, False), "weight_decay": (0.0, 1.0, True),
           "alpha": (0.0, 1000.0, False)}
 CHECKPOINTING = ("auto", "on", "off", "offload")
+OFFLOAD_STATE = {"auto": None, "on": True, "off": False}  # --offload-state -> TrainSpec.offload_state
+OFFLOAD_STATE_DEFAULT = "off"
 
 
 @dataclass
@@ -112,6 +114,10 @@ class TrainConfig:
                                  "or auto: on cuda the fastest setting (none, or the most --keep-layers, offloaded "
                                  "or not) whose estimated memory fits the GPU's free memory or --memory-budget; off "
                                  "elsewhere (docs/RUNTIME.md)", bare="on")
+    offload_state: str = setting(OFFLOAD_STATE_DEFAULT, "with offloaded checkpointing (cuda), the recomputed layers' "
+                                 "attention state (q, k, v, its output and statistics) waits in host memory too, so "
+                                 "their backward recomputes only the MLP half: on, off, or auto (where the host link "
+                                 "keeps up with the forward: Llama-3-8B shapes and larger; docs/GRAPHS.md)")
     keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
                                "(faster, more memory); given alone, turns checkpointing on")
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
@@ -191,6 +197,8 @@ class TrainConfig:
                 devices.for_target(self.target), "OFFLOADS", False)):
             raise LoracError(f"--checkpointing offload keeps inputs in host memory beside a GPU; --target "
                              f"{self.target} --backend {self.backend} has no such device memory (use on)")
+        if self.offload_state not in OFFLOAD_STATE:
+            raise LoracError(f"--offload-state must be auto, on or off, got {self.offload_state!r}")
         if not isinstance(self.keep_layers, int) or isinstance(self.keep_layers, bool) or self.keep_layers < 0:
             raise LoracError(f"--keep-layers must be an integer >= 0, got {self.keep_layers!r}")
         if self.keep_layers and self.checkpointing == "off":
@@ -279,6 +287,7 @@ class TrainConfig:
                          rank=self.rank, alpha=self.alpha, rslora=self.rslora,
                          trained_layers=self.layer_range(spec.layers),
                          checkpointing=self.checkpointing in ("on", "offload"), offload=self.checkpointing == "offload",
+                         offload_state=OFFLOAD_STATE[self.offload_state],
                          keep_layers=self.keep_layers, loss_chunk=self.loss_chunk if loss_chunk is None else loss_chunk,
                          packing=self.packing, quant=tuple(quant), extra=dict(extra or {}))
 

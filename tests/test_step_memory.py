@@ -154,6 +154,12 @@ def test_flags_and_config_values():
     assert parse("--checkpointing", "--keep-layers", "3").keep_layers == 3
     assert parse("--checkpointing", "off").checkpointing == "off"
     assert parse("--memory-budget", "39.5").memory_budget == 39.5
+    from lorac.graphs import ModelSpec
+    spec = ModelSpec(arch="qwen3", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=48)
+    for flag, want in (("auto", None), ("on", True), ("off", False)):  # TrainSpec.offload_state: None is the rule
+        cfg = parse("--checkpointing", "offload", "--offload-state", flag, "--target", "cuda")
+        assert (cfg.offload_state, cfg.train_spec(spec).offload_state) == (flag, want)
+    assert parse().train_spec(spec).offload_state is False  # the default (config.OFFLOAD_STATE_DEFAULT)
     for old, new in ((True, "on"), (False, "off")):  # API use and configs from when it was a bool
         cfg = TrainConfig(checkpointing=old)
         cfg.validate()
@@ -162,7 +168,8 @@ def test_flags_and_config_values():
                        (dict(memory_budget=-1.0), "--memory-budget must be a positive number"),
                        (dict(memory_budget="lots"), "--memory-budget must be a positive number"),
                        (dict(checkpointing="off", keep_layers=2), "--keep-layers keeps some layers"),
-                       (dict(keep_layers=-1), "--keep-layers must be an integer >= 0")):
+                       (dict(keep_layers=-1), "--keep-layers must be an integer >= 0"),
+                       (dict(offload_state="yes"), "--offload-state must be auto, on or off")):
         with pytest.raises(LoracError, match=match):
             TrainConfig(**bad).validate()
 
