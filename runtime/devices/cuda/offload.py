@@ -133,7 +133,7 @@ def check_host_memory(nbytes: int) -> None:
         raise LoracError(
             f"activation offload needs {nbytes / 1e9:.1f} GB of pinned host memory for the recomputed layers' "
             f"values, and this machine has {free / 1e9:.1f} GB available: keep more layers on the GPU (a larger "
-            f"--memory-budget or --keep-layers), offload without the attention state, or shorten --seq or --batch")
+            f"--memory-budget or --keep-layers), --offload-state off, or a shorter --seq or --batch")
 
 
 def _prod(shape) -> int:
