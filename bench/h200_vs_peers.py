@@ -89,10 +89,10 @@ CASES = {
     # the same with 512-token loss chunks: ~0.26 GB less logits buffers than 1024, under Unsloth's 19.1 GB
     "8b-4x2048-offload-lc512": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
                                                                   "loss_chunk": 512}, ["fast:unsloth-gc"]),
-    # the same with the attention state offloaded too (TrainSpec.offload_state: the rule)
-    "8b-4x2048-offload-lc512-state": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
-                                                                        "offload_state": None, "loss_chunk": 512},
-                                      ["fast:unsloth-gc"]),
+    # the same with the inputs alone offloaded (--offload-state off; the default sends the attention state too)
+    "8b-4x2048-offload-lc512-nostate": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
+                                                                          "offload_state": False, "loss_chunk": 512},
+                                        ["fast:unsloth-gc"]),
     # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
     "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
     # every layer recomputed, inputs offloaded: the leanest setting (auto48's estimate, 46.8 GB, is at its budget)
@@ -104,15 +104,15 @@ CASES = {
                              ["fast:unsloth-4bit-gc"]),
     "8b-1x2048-nf4e-offload": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
                                                                  "offload": True}, []),
-    "8b-1x2048-nf4e-auto8-state": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4",
-                                                                    "memory_budget": 8.0, "offload_state": None},
-                                   ["fast:unsloth-4bit-gc"]),
+    "8b-1x2048-nf4e-auto8-nostate": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4",
+                                                                      "memory_budget": 8.0, "offload_state": False},
+                                     ["fast:unsloth-4bit-gc"]),
     "8b-4x2048-nf4e-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0},
                               ["fast:unsloth-4bit-gc"]),
-    # the same with the recomputed layers' attention state offloaded too (TrainSpec.offload_state: the rule)
-    "8b-4x2048-nf4e-auto10-state": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4",
-                                                                      "memory_budget": 10.0, "offload_state": None},
-                                    ["fast:unsloth-4bit-gc"]),
+    # the same with the recomputed layers' inputs alone offloaded (--offload-state off)
+    "8b-4x2048-nf4e-auto10-nostate": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4",
+                                                                        "memory_budget": 10.0, "offload_state": False},
+                                      ["fast:unsloth-4bit-gc"]),
     # a 16 GB and a 24 GB card: what the memory beyond Unsloth's buys (more layers kept, fewer recomputed)
     "8b-4x2048-nf4e-auto16": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 16.0},
                               []),
@@ -120,9 +120,10 @@ CASES = {
                               []),
     "70b-1x2048-nf4e-offload": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
                                                                      "offload": True, "loss_chunk": 1024}, []),
-    "70b-1x2048-nf4e-offload-state": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4",
-                                                                           "checkpointing": True, "offload": True,
-                                                                           "offload_state": None, "loss_chunk": 1024}, []),
+    "70b-1x2048-nf4e-offload-nostate": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4",
+                                                                             "checkpointing": True, "offload": True,
+                                                                             "offload_state": False, "loss_chunk": 1024},
+                                        []),
     "70b-1x2048-nf4e-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 48.0},
                                []),
     "q06-1x16384": (QWEN3_06B, "qwen3-0.6b", 1, 16384, {"checkpointing": True, "loss_chunk": 2048},

@@ -108,9 +108,9 @@ class TrainSpec:
     offload: bool = False  # with checkpointing: recomputed layers' kept inputs wait in host memory (offload.py)
     # with offload, a recomputed layer also moves what its attention's backward reads (q, k, v, the
     # output, the row statistics) to host memory, and its backward recomputes only the MLP half;
-    # None = where the family says the copies hide behind the forward (decoder.state_offload_pays).
-    # Off unless asked for: its CUDA copies are not yet measured on a GPU (docs/RUNTIME.md, Offload)
-    offload_state: bool | None = False
+    # None (the default) = where the family says the copies hide behind the forward
+    # (decoder.state_offload_pays); True / False: always / never (docs/RUNTIME.md, Offload)
+    offload_state: bool | None = None
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)

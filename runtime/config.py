@@ -26,7 +26,7 @@ BOUNDS = {"lr": (0.0, 1.0, False), "loraplus_ratio": (0.0, 1000.0, False), "weig
           "alpha": (0.0, 1000.0, False)}
 CHECKPOINTING = ("auto", "on", "off", "offload")
 OFFLOAD_STATE = {"auto": None, "on": True, "off": False}  # --offload-state -> TrainSpec.offload_state
-OFFLOAD_STATE_DEFAULT = "off"
+OFFLOAD_STATE_DEFAULT = "auto"
 
 
 @dataclass

@@ -117,7 +117,7 @@ def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
                                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                         head_dim=128, tie_word_embeddings=True))
     on = replace(TRAIN, offload=True, offload_state=None)
-    assert not offloads_state(l8, replace(on, offload_state=False)) and TrainSpec(1, 2).offload_state is False
+    assert not offloads_state(l8, replace(on, offload_state=False)) and TrainSpec(1, 2).offload_state is None
     assert offloads_state(l8, on) and offloads_state(l70, on)
     assert not offloads_state(q06, on) and not offloads_state(SPEC, on)
     assert not offloads_state(l8, replace(on, offload=False))

@@ -159,7 +159,7 @@ def test_flags_and_config_values():
     for flag, want in (("auto", None), ("on", True), ("off", False)):  # TrainSpec.offload_state: None is the rule
         cfg = parse("--checkpointing", "offload", "--offload-state", flag, "--target", "cuda")
         assert (cfg.offload_state, cfg.train_spec(spec).offload_state) == (flag, want)
-    assert parse().train_spec(spec).offload_state is False  # the default (config.OFFLOAD_STATE_DEFAULT)
+    assert parse().train_spec(spec).offload_state is None  # the default (config.OFFLOAD_STATE_DEFAULT)
     for old, new in ((True, "on"), (False, "off")):  # API use and configs from when it was a bool
         cfg = TrainConfig(checkpointing=old)
         cfg.validate()
