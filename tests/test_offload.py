@@ -125,6 +125,14 @@ def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     big = replace(on, batch=4, seq=2048)
     assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
     assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    # pinned host memory: one slot a recomputed layer (29 of 32 with 3 kept), in the plan's log line
+    kept3 = replace(big, checkpointing=True, keep_layers=3)
+    host = memory.offload_host(l8, kept3, "bfloat16")
+    assert host == 29 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert memory.offload_host(l8, replace(kept3, offload_state=False), "bfloat16") == 29 * 8192 * 4096 * 2
+    assert memory.offload_host(l8, replace(kept3, offload=False), "bfloat16") == 0
+    assert memory.describe(True, 3, 32, True, True, host).endswith(
+        "their inputs and attention state offloaded to host memory (6.8 GB pinned)")
 
 
 def test_offload_slot_layout_reads_old_and_new_manifest_entries():

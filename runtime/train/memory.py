@@ -57,12 +57,15 @@ class Choice:
     offload: bool = False  # the recomputed layers' inputs wait in host memory
 
 
-def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: bool = False, state: bool = False) -> str:
-    """The log's words for a setting; `state`: the offloaded layers send their attention state too."""
+def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: bool = False, state: bool = False,
+             host_bytes: int = 0) -> str:
+    """The log's words for a setting; `state`: the offloaded layers send their attention state too;
+    `host_bytes`: the pinned host memory they take (offload_host)."""
     if not checkpointing:
         return "checkpointing off"
     what = "inputs and attention state" if state else "inputs"
-    where = f", their {what} offloaded to host memory" if offload and keep_layers < n_trained else ""
+    pinned = f" ({host_bytes / 1e9:.1f} GB pinned)" if host_bytes else ""
+    where = f", their {what} offloaded to host memory{pinned}" if offload and keep_layers < n_trained else ""
     if keep_layers:
         return f"checkpointing on, keeping {min(keep_layers, n_trained)} of {n_trained} layers{where}"
     return f"checkpointing on, all {n_trained} layers recomputed{where}"
@@ -161,16 +164,28 @@ def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes:
         16 * lora_params(spec, train)
 
 
+def _slot_token_bytes(spec, train, dtype: str) -> int:
+    """Bytes a token of one offloaded layer's slot: its input, or with the attention state its values."""
+    from lorac.graphs.compose import family, offloads_state
+    itemsize = 2 if dtype == "bfloat16" else 4
+    return family(spec).offload_state_bytes(spec, itemsize) if offloads_state(spec, train) else itemsize * spec.hidden
+
+
+def offload_host(spec, train, dtype: str) -> int:
+    """Pinned host memory the offloaded layers' slots take: one slot a recomputed layer."""
+    if not (getattr(train, "offload", False) and train.checkpointing):
+        return 0
+    recomputed = max(len(train.layers(spec)) - train.keep_layers, 0)
+    return recomputed * train.batch * train.seq * _slot_token_bytes(spec, train, dtype)
+
+
 def offload_staging(spec, train, dtype: str) -> int:
     """The device buffers offloaded values pass through: two of a layer's slot (both directions
     share them), its input or with the attention state its TrainSpec.offload_state values
     (runtime/devices/cuda/offload.py)."""
     if not getattr(train, "offload", False):
         return 0
-    from lorac.graphs.compose import family, offloads_state
-    itemsize = 2 if dtype == "bfloat16" else 4
-    per = family(spec).offload_state_bytes(spec, itemsize) if offloads_state(spec, train) else itemsize * spec.hidden
-    return 2 * train.batch * train.seq * per
+    return 2 * train.batch * train.seq * _slot_token_bytes(spec, train, dtype)
 
 
 def settings(n_trained: int, offload: bool = False):

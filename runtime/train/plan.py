@@ -151,7 +151,8 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
     if log is not None:
         from lorac.graphs.compose import offloads_state
-        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off, offloads_state(spec, train))} "
+        host = step_memory.offload_host(spec, train, cfg.dtype or device.DEFAULT_DTYPE)
+        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off, offloads_state(spec, train), host)} "
             f"({why})")
     return cfg, train
 
