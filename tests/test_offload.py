@@ -74,6 +74,12 @@ def test_the_estimate_counts_offload_and_auto_picks_it_when_it_must():
     assert not memory.choose(spec, train, n, "bfloat16", lean - 10 ** 9, "test").offload  # a device that cannot
     roomy = memory.choose(spec, train, n, "bfloat16", 200 * 10 ** 9, "test", offload=True)
     assert not roomy.checkpointing and not roomy.offload
+    # a host that cannot pin the offloaded values: offload is passed over, and the line says so
+    pinned = memory.offload_host(spec, replace(train, checkpointing=True, keep_layers=tight.keep_layers, offload=True),
+                                 "bfloat16")
+    small = memory.choose(spec, train, n, "bfloat16", lean - 10 ** 9, "test", offload=True, host=pinned - 1)
+    assert not small.offload and "offload passed over" in small.why
+    assert memory.choose(spec, train, n, "bfloat16", lean - 10 ** 9, "test", offload=True, host=pinned).offload
 
 
 LLAMA = ModelSpec(arch="llama", vocab=101, hidden=48, layers=3, heads=6, kv_heads=2, head_dim=8, intermediate=72,

@@ -110,6 +110,7 @@ def _resolve(monkeypatch, free=None, saved=None, **cfg):
     from lorac.runtime.train.plan import choose_checkpointing
 
     monkeypatch.setattr(devices.for_target("cuda"), "memory_free", lambda: free)
+    monkeypatch.setattr(devices.for_target("cpu"), "memory_free", lambda: 512 * 10**9)  # the host: room to pin
     spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)
     logs = []
     cfg = TrainConfig(**cfg)

@@ -213,23 +213,28 @@ def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, s
 
 
 def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str, packed_bytes: int = 0,
-           offload: bool = False) -> Choice:
+           offload: bool = False, host: int | None = None) -> Choice:
     """The fastest setting of settings() whose estimate fits `budget` (the leanest when none
-    does); no checkpointing without a budget or an estimate. offload: the device can offload."""
+    does); no checkpointing without a budget or an estimate. offload: the device can offload;
+    host: bytes of host memory the offloaded values may pin (None: no limit): a setting that
+    would pin more is passed over."""
     gb = lambda n: f"{n / 1e9:.1f} GB"
     if budget is None:
         return Choice(False, 0, None, f"{source}, no budget to fit; give --memory-budget GB to choose for a GPU")
     n_trained = len(train.layers(spec))
-    first = None
+    first, passed, tried = None, "", False
     for ckpt, keep, off in settings(n_trained, offload):
-        need = estimate(spec, replace(train, checkpointing=ckpt, keep_layers=keep, offload=off), n_weights, dtype,
-                        packed_bytes)
+        setting = replace(train, checkpointing=ckpt, keep_layers=keep, offload=off)
+        if off and host is not None and offload_host(spec, setting, dtype) > host:
+            passed = f"; offload passed over: it would pin more than the host's {gb(host)}"
+            continue
+        need = estimate(spec, setting, n_weights, dtype, packed_bytes)
         if need is None:
             return Choice(False, 0, None, "no memory estimate for this model and attention (docs/RUNTIME.md); "
                                           "set --checkpointing / --keep-layers yourself")
-        first = first or need
+        first, tried = first or need, off
         if need <= budget:
-            more = "" if not ckpt else f"; no checkpointing needs {gb(first)}"
+            more = "" if not ckpt else f"; no checkpointing needs {gb(first)}{passed}"
             return Choice(ckpt, keep, need, f"estimated {gb(need)} of a {gb(budget)} budget ({source}){more}", off)
     return Choice(True, 0, need, f"even full checkpointing needs an estimated {gb(need)}, more than the "
-                                 f"{gb(budget)} budget ({source}); trying it anyway", offload)
+                                 f"{gb(budget)} budget ({source}){passed}; trying it anyway", tried)
