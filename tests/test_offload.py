@@ -110,8 +110,8 @@ def test_offloaded_attention_state_computes_what_checkpointing_computes(spec, se
 
 def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     """TrainSpec.offload_state None: the family's rule (bytes of the state a forward FLOP) picks it for
-    Llama-3-8B and -70B shapes, not for Qwen3-0.6B's quick layers nor the test models; the default
-    (False) asks for the input alone."""
+    Llama-3-8B and -70B shapes, not for Qwen3-0.6B's quick layers nor the test models; None is the
+    default, False asks for the input alone."""
     from lorac.graphs.compose import offloads_state
     from lorac.runtime.train import memory
     llama = dict(model_type="llama", vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -54,6 +54,9 @@ optional (a module without one gets the default in OPTIONAL below):
                    where KEEPS_QUANTIZED is False: auto keeps the blocks when the base
                    held dense would take more than this share of memory_free() (None: never)
     OFFLOADS       --checkpointing offload: checkpointed inputs may wait in host memory
+    host_pinnable() -> int | None
+                   where OFFLOADS: the host bytes offloaded values may pin (None: no limit
+                   known); --checkpointing auto passes over settings that would pin more
     DEVICE_PER_WORKER
                    data-parallel workers on one host take one device each (select(i))
     select(index)  make device `index` of this host the one artifacts open on
@@ -88,7 +91,7 @@ OPTIONAL = {
     "AUTO_CHECKPOINTING": False, "LOSS_CHUNK_BYTES": None, "FUSED_ATTENTION": False,
     "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
     "KEEPS_QUANTIZED_ABOVE": None,
-    "OFFLOADS": False,
+    "OFFLOADS": False, "host_pinnable": _nothing,
     "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host", "TRAINS_ON": None,
     "check_ort": _nothing, "reserve_documents": _nothing, "feeder": _nothing,
 }

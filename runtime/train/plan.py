@@ -142,7 +142,7 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
             source += f", the least of {dp.size} workers"
         dtype = cfg.dtype or device.DEFAULT_DTYPE
         choice = step_memory.choose(spec, train, frozen[0], dtype, budget, source, frozen[1], offload=device.OFFLOADS,
-                                    host=_pinnable(device))
+                                    host=device.host_pinnable())
         if choice.need is not None and choice.need > budget and cfg.quantize_embeddings == "auto" and train.quant:
             # a QLoRA run (the loaded base keeps quantized layers) that no setting fits with dense tables
             cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, dtype, budget, source, device, log)
@@ -173,7 +173,7 @@ def _embeddings_to_fit(cfg: TrainConfig, spec, train, frozen, dense, dtype, budg
         return cfg, train, dense
     n_weights, packed = embeddings.frozen_with(spec, frozen, train.quant, held.quant)
     choice = step_memory.choose(spec, held, n_weights, dtype, budget, source, packed, offload=device.OFFLOADS,
-                                host=_pinnable(device))
+                                host=device.host_pinnable())
     if log is not None:
         log(f"embeddings: auto: nf4 (with dense embeddings even full checkpointing needs an estimated "
             f"{dense.need / 1e9:.1f} GB, more than the {budget / 1e9:.1f} GB budget; NF4 embeddings: "
@@ -190,13 +190,3 @@ def plan_graphs(cfg: TrainConfig, spec) -> Plan:
     cfg = replace(cfg, packing=resolve_packing(cfg.packing, spec, device), checkpointing="off", keep_layers=0)
     # (a quantized base's layout is the loaded weights': eval and generate hold theirs dense)
     return Plan(cfg, spec, cfg.train_spec(spec, loss_chunk=0), device)
-
-
-def _pinnable(device) -> int | None:
-    """Host bytes an offloading device's values may pin (the offload runtime's own limit), or None."""
-    if not getattr(device, "OFFLOADS", False):
-        return None
-    from lorac.runtime.devices.cpu import memory_free
-    from lorac.runtime.devices.cuda.offload import HOST_SHARE
-    free = memory_free()
-    return None if free is None else int(HOST_SHARE * free)

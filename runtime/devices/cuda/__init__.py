@@ -32,6 +32,12 @@ GRAD_ALLREDUCE = "nccl"  # gradients summed on the GPUs (runtime/dist/nccl.py)
 WORKER_DEVICE = "LORAC_CUDA_DEVICE"  # the GPU a process opens artifacts on (select)
 
 
+def host_pinnable() -> int | None:
+    """Host bytes offloaded values may pin (offload.py: a share of the host's available memory)."""
+    from .offload import pinnable
+    return pinnable()
+
+
 def unavailable(target: str) -> str | None:
     return None  # a missing GPU is found when the first artifact loads (a compile-only box has none)
 

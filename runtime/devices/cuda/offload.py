@@ -125,15 +125,22 @@ def prepare(manifest) -> None:
 HOST_SHARE = 0.9  # of the host's available memory the pinned buffers may take (pinned pages never swap)
 
 
-def check_host_memory(nbytes: int) -> None:
-    """A clear error, before any pinning, where the offloaded values would not fit host memory."""
+def pinnable() -> int | None:
+    """Host bytes the pinned buffers may take: HOST_SHARE of the host's available memory (None: unknown)."""
     from ..cpu import memory_free
     free = memory_free()
-    if free is not None and nbytes > HOST_SHARE * free:
+    return None if free is None else int(HOST_SHARE * free)
+
+
+def check_host_memory(nbytes: int) -> None:
+    """A clear error, before any pinning, where the offloaded values would not fit host memory."""
+    room = pinnable()
+    if room is not None and nbytes > room:
         raise LoracError(
             f"activation offload needs {nbytes / 1e9:.1f} GB of pinned host memory for the recomputed layers' "
-            f"values, and this machine has {free / 1e9:.1f} GB available: keep more layers on the GPU (a larger "
-            f"--memory-budget or --keep-layers), --offload-state off, or a shorter --seq or --batch")
+            f"values, and this machine allows {room / 1e9:.1f} GB ({HOST_SHARE:.0%} of its available memory): keep "
+            f"more layers on the GPU (a larger --memory-budget or --keep-layers), --offload-state off, or a shorter "
+            f"--seq or --batch")
 
 
 def _prod(shape) -> int:
