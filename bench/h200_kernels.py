@@ -45,6 +45,23 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def gaps(events: list[tuple[float, float, str]], n: int, least_us: float = 50.0, top: int = 15) -> list[dict]:
+    """Where the GPU's compute waits: each gap of at least `least_us` between one compute kernel's
+    end and the next one's start (copies left out, so a compute kernel waiting on a copy shows),
+    summed by the kernels either side, largest first."""
+    compute = sorted((s, e, name) for s, e, name in events if group_of(name) != "memcpy/memset")
+    by: dict[tuple[str, str], list[float]] = defaultdict(list)
+    end, before = float("-inf"), ""
+    for s, e, name in compute:
+        if s - end >= least_us and before:
+            by[(before[:70], name[:70])].append(s - end)
+        if e > end:
+            end, before = e, name
+    rows = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"ms": round(sum(g) / 1e3 / n, 3), "count": len(g) // n or len(g), "mean_us": round(sum(g) / len(g), 1),
+             "after": a, "before": b} for (a, b), g in rows]
+
+
 def main(cache: str, case: str, top: int = 40) -> None:
     pin_source(cache)  # the cache's artifacts, whatever this checkout's source hash
     eng, _, optim, _, batches, _ = case_engine(cache, case)
@@ -57,13 +74,14 @@ def main(cache: str, case: str, top: int = 40) -> None:
             full_step(eng, optim, batches[t % len(batches)], t)
     wall_ms = (time.perf_counter() - t0) * 1e3 / n
     per: dict[str, list[float]] = defaultdict(list)
-    intervals = []
+    intervals, events = [], []
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         start, dur = ev.time_range.start, ev.time_range.end - ev.time_range.start
         per[ev.name].append(dur)
         intervals.append((start, start + dur))
+        events.append((start, start + dur, ev.name))
     groups: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
     for name, ds in per.items():
         g = groups[group_of(name)]
@@ -74,6 +92,11 @@ def main(cache: str, case: str, top: int = 40) -> None:
         "case": case, "wall_ms": round(wall_ms, 2), "gpu_busy_ms": round(busy_ms(intervals) / n, 2),
         "groups": {k: {"ms": round(v["ms"], 2), "calls": v["calls"]} for k, v in groups.items()},
     }), flush=True)
+    compute = [(s, e) for s, e, name in events if group_of(name) != "memcpy/memset"]
+    print(json.dumps({"compute_busy_ms": round(busy_ms(compute) / n, 2), "span_ms": round(
+        (max(e for _, e in compute) - min(s for s, _ in compute)) / 1e3 / n, 2)}))
+    for row in gaps(events, n):
+        print(json.dumps({"gap": row}))
     for name, ds in rows:
         print(json.dumps({"ms": round(sum(ds) / 1e3 / n, 3), "calls": len(ds) // n,
                           "mean_us": round(sum(ds) / len(ds), 1), "group": group_of(name), "kernel": name[:160]}))

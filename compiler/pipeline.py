@@ -160,7 +160,8 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
     """The Relax module a target builds, before its own passes: import (units.py), the
     byte-indexed lookups' negative-index wraps dropped (lookups.py), the target's prepare,
     bf16 weights (precision.py), GEMM dispatch (gemm.py), accumulating sums (gemm_sum.py),
-    bf16 GEMM outputs (gemm_output.py) and the bf16 residual stream (residual_stream.py).
+    bf16 GEMM outputs (gemm_output.py), the bf16 residual stream (residual_stream.py) and wide LoRA
+    projections over dequantized weights as one GEMM (gemm_lora_k.py).
     -> (module, mapped units, their calls, the manifest's `gemm` record)."""
     from .passes.lookups import unwrap_unsigned_indices
     mod, units, unit_calls = import_onnx(proto, tmod, dtype)
@@ -181,6 +182,9 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
             mod, gemm["bf16_outputs"] = narrow_gemm_outputs(mod)
             if {p.key: p.value for p in proto.metadata_props}.get(RESIDUAL_KEY) != "float32":
                 mod, gemm["bf16_residuals"], gemm["bf16_read_narrow"] = narrow_residuals(mod)
+            if acc:
+                from .passes.gemm_lora_k import concat_lora_gemms
+                mod, gemm["lora_k_concat"] = concat_lora_gemms(mod)
     return mod, units, unit_calls, gemm
 
 

@@ -22,3 +22,8 @@ def packed_bias_bytes(batch: int, seq: int) -> int:
     """Bytes of the document bias of [batch, seq] packed rows on CUDA, 0 where the ragged layout is used."""
     n = 2 * batch * seq * seq
     return n if n <= PACKED_BIAS_MAX_BYTES else 0
+
+# A LoRA projection over a dequantized weight whose output is at least this many times wider
+# than its input runs as one GEMM over [x | u] and [W | B] in bf16 CUDA steps
+# (compiler/passes/gemm_lora_k.py); the memory estimate counts the wider rows (runtime/train/memory.py).
+LORA_K_WIDE = 2

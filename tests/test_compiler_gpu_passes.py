@@ -314,6 +314,34 @@ def test_nf4_dequantization_is_one_kernel(monkeypatch):
                                                                       unfused["static_plan_bytes"])
 
 
+def test_wide_lora_projections_over_dequantized_weights_are_one_gemm():
+    """gate and up (out = 2 x in) over NF4 weights: y = [x | u] [W | B]^T in one GEMM, at the forward
+    and at the recompute (compiler/passes/gemm_lora_k.py); the narrower projections keep the
+    accumulating pair, a dense bf16 build (W a parameter) keeps it everywhere. The dequantization
+    writes the joined rows itself, vectorized, and so does the copy of x beside u."""
+    from lorac.compiler.pipeline import lower_to_relax
+    from lorac.compiler.targets import cuda as target_cuda
+
+    def joined(model):
+        mod, _, _, gemm = lower_to_relax(model, target_cuda, "bfloat16")
+        return gemm.get("lora_k_concat", 0), mod["main"].script()
+
+    n, text = joined(_nf4_decoder())
+    assert n == 4, n  # gate and up, forward and recompute (the one layer is recomputed)
+    assert text.count('"lorac.gemm_acc_ntnt"') >= 4  # q/k/v/o forwards and down still accumulate
+    dense_spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 1, "hidden_size": 128,
+                                           "intermediate_size": 256, "head_dim": 32})
+    dense = build_training_graph(dense_spec, TrainSpec(batch=2, seq=32, rank=4, lora_targets=tuple(ALL_TARGETS),
+                                                       checkpointing=True))
+    assert joined(dense)[0] == 0
+    mod = _cuda_plan(_nf4_decoder(), "bfloat16")["_mod"]
+    funcs = {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    # the joins (not RoPE's halves, nor the labels' shift)
+    concat = [k for k in funcs if re.search(r"concatenate\d*_reshape\d*$", k) and "bfloat16" in funcs[k]]
+    assert any("take" in k for k in concat) and any("take" not in k for k in concat), list(funcs)
+    assert all("T.vectorized" in funcs[k] for k in concat), concat
+
+
 def test_only_widened_unsigned_indices_lose_their_wrap():
     """ONNX Gather's negative-index wrap (TVM's frontend: where(i < 0, i + n, i)) goes where the
     index is an unsigned value widened to a signed type, and stays for signed indices; the

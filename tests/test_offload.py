@@ -131,14 +131,16 @@ def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     big = replace(on, batch=4, seq=2048)
     assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
     assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
-    # pinned host memory: one slot a recomputed layer (29 of 32 with 3 kept), in the plan's log line
+    # pinned host memory: one slot a recomputed layer but the top one (28 of the 29 recomputed with 3 kept: the
+    # top slot waits in staging), in the plan's log line
     kept3 = replace(big, checkpointing=True, keep_layers=3)
     host = memory.offload_host(l8, kept3, "bfloat16")
-    assert host == 29 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
-    assert memory.offload_host(l8, replace(kept3, offload_state=False), "bfloat16") == 29 * 8192 * 4096 * 2
+    assert host == 28 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert memory.offload_host(l8, replace(kept3, offload_state=False), "bfloat16") == 28 * 8192 * 4096 * 2
+    assert memory.offload_host(l8, replace(kept3, keep_layers=31), "bfloat16") == 0
     assert memory.offload_host(l8, replace(kept3, offload=False), "bfloat16") == 0
     assert memory.describe(True, 3, 32, True, True, host).endswith(
-        "their inputs and attention state offloaded to host memory (6.8 GB pinned)")
+        "their inputs and attention state offloaded to host memory (6.6 GB pinned)")
 
 
 def test_offload_slot_layout_reads_old_and_new_manifest_entries():
@@ -272,9 +274,11 @@ def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch):
             rt._fetcher(s)(None, *outs)
             for o, v in zip(outs, values[s]):
                 assert np.array_equal(o.a, v), (step, s)
-    # a slot's values: one copy to the host and one back, each value its own copy in and out of staging
+    # a slot's values: one copy to the host and one back, but the top slot's, which wait in staging; each value
+    # its own copy in and out of staging
     n = len(shapes)
-    assert cuda.copies.count(rt._D2H) == cuda.copies.count(rt._H2D) == 2 * len(slots)
+    assert cuda.copies.count(rt._D2H) == cuda.copies.count(rt._H2D) == 2 * (len(slots) - 1)
+    assert rt._state[4]["host"] is None and all(rt._state[s]["host"] for s in slots[:-1])
     assert cuda.copies.count(rt._D2D) == 2 * 2 * len(slots) * n
 
 
@@ -287,8 +291,8 @@ def test_offload_runtime_refuses_more_pinned_memory_than_the_host_has(monkeypatc
     monkeypatch.setattr(rt, "_rt", cuda)
     monkeypatch.setattr(rt, "_state", {})
     manifest = type("M", (), {"unit_calls": [
-        {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": [1000, 1000], "dtype": "bfloat16"}]} for s in (0, 1)]})()
-    monkeypatch.setattr(cpu, "memory_free", lambda: 3_000_000)  # 2 slots of 2 MB need 4 MB
+        {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": [1000, 1000], "dtype": "bfloat16"}]} for s in (0, 1, 2)]})()
+    monkeypatch.setattr(cpu, "memory_free", lambda: 3_000_000)  # 2 slots of 2 MB pinned (the top one stays) need 4 MB
     with pytest.raises(LoracError, match=r"needs 0\.0 GB of pinned host memory.*--memory-budget") as e:
         rt.prepare(manifest)
     assert "\n" not in str(e.value) and cuda.keep == []  # nothing allocated

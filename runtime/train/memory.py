@@ -42,7 +42,7 @@ import math
 
 from dataclasses import dataclass, replace
 
-from lorac.core.constants import packed_bias_bytes
+from lorac.core.constants import LORA_K_WIDE, packed_bias_bytes
 
 GiB = 1 << 30
 WORKSPACE = 1 * GiB  # cuBLAS/cuDNN workspaces and the runtime beside the plan (0.8 GB at the 8B shape)
@@ -143,12 +143,24 @@ def dequant_workspace(spec, train, dtype: str) -> int:
     from lorac.graphs.ops.loss import head_slices
     if not train.quant:
         return 0
+    itemsize = 2 if dtype == "bfloat16" else 4
     tables = for_spec(spec).EMBEDDINGS
     head = tables[0] if spec.tied else tables[1]
-    sizes = [math.prod(spec.proj_shape(name.split(".")[-2])) for name, _ in train.quant if name not in tables]
+    sizes, joined = [], 0
+    for name, _ in train.quant:
+        if name in tables:
+            continue
+        target = name.split(".")[-2]
+        out, inp = spec.proj_shape(target)
+        if dtype == "bfloat16" and target in train.lora_targets and out >= LORA_K_WIDE * inp:
+            # one GEMM over [x | u] and [W | B] (compiler/passes/gemm_lora_k.py): W's rows r wider,
+            # and the step's [T, in + r] copy of x beside it
+            inp += train.rank
+            joined = train.batch * train.seq * inp
+        sizes.append(out * inp)
     if head in dict(train.quant):
         sizes.append(max(hi - lo for lo, hi in head_slices(spec.vocab, spec.hidden, train.head_slices)) * spec.hidden)
-    return 2 * max(sizes, default=0) * (2 if dtype == "bfloat16" else 4)
+    return (2 * max(sizes, default=0) + joined) * itemsize
 
 
 def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes: int = 0) -> int | None:
@@ -172,11 +184,12 @@ def _slot_token_bytes(spec, train, dtype: str) -> int:
 
 
 def offload_host(spec, train, dtype: str) -> int:
-    """Pinned host memory the offloaded layers' slots take: one slot a recomputed layer."""
+    """Pinned host memory the offloaded layers' slots take: one slot a recomputed layer but the top
+    one, whose values wait in device staging (runtime/devices/cuda/offload.py)."""
     if not (getattr(train, "offload", False) and train.checkpointing):
         return 0
     recomputed = max(len(train.layers(spec)) - train.keep_layers, 0)
-    return recomputed * train.batch * train.seq * _slot_token_bytes(spec, train, dtype)
+    return max(recomputed - 1, 0) * train.batch * train.seq * _slot_token_bytes(spec, train, dtype)
 
 
 def offload_staging(spec, train, dtype: str) -> int:

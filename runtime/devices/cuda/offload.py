@@ -13,12 +13,14 @@ slot (a layer), registered here when the artifact loads (compiler/units/offload.
                                          overlaps this layer's backward), then each place -> its
                                          output on TVM's stream
 
-Staging is two device buffers, used by slots in turn, first by the forward's copies out, then by
-the backward's copies back: the side stream runs every copy out before any copy back, and each
-copy out waits for the forward's writes into its buffer, so a fetch's copy into a buffer follows
-the last copy out of it. An event per buffer and direction orders its reuse after the copy that
-reads it. Every decision (which buffer, whether to wait) depends
-only on a slot's place in the step's order (offloads ascending, fetches descending), so a CUDA
+Staging is two device buffers; the i-th slot of the step (ascending) uses buffer i % 2 both ways,
+first for its copy out, then for its copy back: the side stream runs every copy out before any
+copy back, and each copy out waits for the forward's writes into its buffer, so a fetch's copy
+into a buffer follows the last copy out of it. An event per buffer and direction orders its
+reuse after the copy that reads it. The top slot never leaves the device: nothing writes its
+buffer between its offload (the forward's last) and its fetch (the backward's first), so its
+values wait there, and the backward starts without waiting for a copy back. Every decision
+(which buffer, whether to wait) depends only on a slot's place in the step's order, so a CUDA
 graph captured on the first step replays it exactly; the side stream forks from TVM's stream
 with an event and joins it again at each fetch, as capture requires. Pinned buffers, staging
 and events are made when the artifact loads, before any capture.
@@ -103,7 +105,8 @@ def prepare(manifest) -> None:
         return
     _init()
     need = {int(c["slot"]): slot_layout(c) for c in calls}
-    check_host_memory(sum(n for slot, (_, n) in need.items() if _state.get(slot, {}).get("bytes", 0) < n))
+    top = max(need)  # stays in staging (module doc): no host buffer
+    check_host_memory(sum(n for slot, (_, n) in need.items() if slot != top and _state.get(slot, {}).get("bytes", 0) < n))
     biggest = max(total for _, total in need.values())
     if _state.get("staging_bytes", 0) < biggest:
         side = ctypes.c_void_p()
@@ -115,7 +118,9 @@ def prepare(manifest) -> None:
     for slot, (places, nbytes) in need.items():
         old = _state.get(slot)
         if old is None or old["bytes"] < nbytes:
-            _state[slot] = {"host": _alloc(nbytes, True), "bytes": nbytes}
+            _state[slot] = {"host": None if slot == top else _alloc(nbytes, True), "bytes": nbytes}
+        elif slot == top:
+            _state[slot]["bytes"] = nbytes
         _state[slot]["places"] = places
         tvm_ffi.register_global_func(f"{OFFLOAD}.{slot}", _offloader(slot), override=True)
         tvm_ffi.register_global_func(f"{FETCH}.{slot}", _fetcher(slot), override=True)
@@ -164,6 +169,8 @@ def _offloader(slot: int):
             _check(_rt.cudaStreamWaitEvent(main, s["out_done"][k], 0), "cudaStreamWaitEvent")
         for x, (at, n) in zip(xs, s[slot]["places"]):
             _copy(s["staging"][k] + at, x.data_ptr(), n, _D2D, main)
+        if pos == len(order) - 1:  # the top slot: its values wait in staging for the backward
+            return
         _check(_rt.cudaEventRecord(s["out_ready"][k], main), "cudaEventRecord")
         _check(_rt.cudaStreamWaitEvent(side, s["out_ready"][k], 0), "cudaStreamWaitEvent")
         _copy(s[slot]["host"], s["staging"][k], nbytes, _D2H, side)
@@ -182,16 +189,14 @@ def _start_fetch(slot: int, k: int, main) -> None:
 
 def _fetcher(slot: int):
     def fetch(token, *outs) -> None:
-        s = _state
-        order = s["order"][::-1]  # the backward fetches from the top layer down
-        pos = order.index(slot)
+        s, order = _state, _state["order"]
+        i = order.index(slot)  # the backward fetches from the top slot (i = n - 1) down
         main = _get_stream(2, outs[0].device.index)
-        if pos == 0:  # the first fetch of the step starts its own copy (its D2H joined in order on the side stream)
-            _start_fetch(slot, 0, main)
-        if pos + 1 < len(order):  # the next layer's copy runs while this one is recomputed
-            _start_fetch(order[pos + 1], (pos + 1) % 2, main)
-        k = pos % 2
-        _check(_rt.cudaStreamWaitEvent(main, s["back_ready"][k], 0), "cudaStreamWaitEvent")
+        if i > 0:  # the next slot's copy back runs while this one is recomputed
+            _start_fetch(order[i - 1], (i - 1) % 2, main)
+        k = i % 2
+        if i < len(order) - 1:  # the top slot's values never left its buffer
+            _check(_rt.cudaStreamWaitEvent(main, s["back_ready"][k], 0), "cudaStreamWaitEvent")
         for out, (at, n) in zip(outs, s[slot]["places"]):
             _copy(out.data_ptr(), s["staging"][k] + at, n, _D2D, main)
     return fetch
