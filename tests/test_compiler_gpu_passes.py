@@ -316,7 +316,8 @@ def test_nf4_dequantization_is_one_kernel(monkeypatch):
 
 def test_wide_lora_projections_over_dequantized_weights_are_one_gemm():
     """gate and up (out = 2 x in) over NF4 weights: y = [x | u] [W | B]^T in one GEMM, at the forward
-    and at the recompute (compiler/passes/gemm_lora_k.py); the narrower projections keep the
+    and at the recompute, both reading one [x | u_gate | u_up] against [W | B | 0] and [W | 0 | B]
+    (compiler/passes/gemm_lora_k.py); the narrower projections keep the
     accumulating pair, a dense bf16 build (W a parameter) keeps it everywhere. The dequantization
     writes the joined rows itself, vectorized, and so does the copy of x beside u."""
     from lorac.compiler.pipeline import lower_to_relax
@@ -328,6 +329,9 @@ def test_wide_lora_projections_over_dequantized_weights_are_one_gemm():
 
     n, text = joined(_nf4_decoder())
     assert n == 4, n  # gate and up, forward and recompute (the one layer is recomputed)
+    # gate and up read one [x | u_gate | u_up]: two joins of x, one a forward
+    wide = re.findall(r'"lorac\.gemm_nt", \((\w+), \w+\), out_ty=R\.Tensor\(\(64, 256\)', text)
+    assert len(wide) == 4 and all(wide.count(a) == 2 for a in wide), wide
     assert text.count('"lorac.gemm_acc_ntnt"') >= 4  # q/k/v/o forwards and down still accumulate
     dense_spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 1, "hidden_size": 128,
                                            "intermediate_size": 256, "head_dim": 32})

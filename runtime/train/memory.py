@@ -146,18 +146,15 @@ def dequant_workspace(spec, train, dtype: str) -> int:
     itemsize = 2 if dtype == "bfloat16" else 4
     tables = for_spec(spec).EMBEDDINGS
     head = tables[0] if spec.tied else tables[1]
-    sizes, joined = [], 0
-    for name, _ in train.quant:
-        if name in tables:
-            continue
-        target = name.split(".")[-2]
-        out, inp = spec.proj_shape(target)
-        if dtype == "bfloat16" and target in train.lora_targets and out >= LORA_K_WIDE * inp:
-            # one GEMM over [x | u] and [W | B] (compiler/passes/gemm_lora_k.py): W's rows r wider,
-            # and the step's [T, in + r] copy of x beside it
-            inp += train.rank
-            joined = train.batch * train.seq * inp
-        sizes.append(out * inp)
+    quant = {name.split(".")[-2] for name, _ in train.quant if name not in tables}
+    # projections joined with their LoRA terms into one GEMM over [x | u...] and [W | B | 0...]
+    # (compiler/passes/gemm_lora_k.py): their rows a rank wider per joined projection, and the
+    # step's [T, in + ranks] copy of x beside them
+    wide = [t for t in quant if dtype == "bfloat16" and t in train.lora_targets
+            and spec.proj_shape(t)[0] >= LORA_K_WIDE * spec.proj_shape(t)[1]]
+    extra = len(wide) * train.rank
+    sizes = [spec.proj_shape(t)[0] * (spec.proj_shape(t)[1] + (extra if t in wide else 0)) for t in quant]
+    joined = train.batch * train.seq * (spec.proj_shape(wide[0])[1] + extra) if wide else 0
     if head in dict(train.quant):
         sizes.append(max(hi - lo for lo, hi in head_slices(spec.vocab, spec.hidden, train.head_slices)) * spec.hidden)
     return (2 * max(sizes, default=0) + joined) * itemsize
