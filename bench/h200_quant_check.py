@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from h200_check import _splitmix  # noqa: E402
 
-SHAPE = dict(arch="qwen3", vocab=32000, hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
+SHAPE = dict(arch="qwen3", vocab=32000, hidden=512, layers=6, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
              qk_norm=True)
 B, S = 4, 256
 KINDS = {"nf4": dict(kind="nf4", block=64, double=True), "int8": dict(kind="int8"), "q4k": dict(kind="Q4_K")}

@@ -169,6 +169,11 @@ def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
     assert len(slots) == 3 and all([(t["shape"], t["dtype"]) for t in c["tensors"]] == want for c in slots)
     text = mod["main"].script()
     assert text.count('"lorac.attention_fwd"') == SPEC.layers  # the forward's only
+    # each call holds the values of the (up to) two slots before it, so the runtime copies those
+    # out straight from the plan's memory (compiler/units/offload.py KEEP_ALIVE)
+    import re
+    args = [len(a.split(",")) for a in re.findall(r'"lorac\.offload\.\d+", \(([^)]*)\)', text)]
+    assert args == [8, 16, 24] and all(c["keep_alive"] == 2 for c in slots), args
     assert converters("float32")["Offload"] is not None
 
 
@@ -242,20 +247,25 @@ class _Tensor:
         return self.a.ctypes.data
 
 
-def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch):
+@pytest.mark.parametrize("keep", [2, 0])
+def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch, keep):
     """Several values a slot (the attention state: bf16 activations, fp32 statistics, odd sizes):
     each comes back from host memory into its own output, over a step's order (offloads
-    ascending, fetches descending, one fetch ahead) and a second step through the same staging."""
+    ascending, fetches descending, one fetch ahead) and a second step through the same staging.
+    keep=2 (compiler/units/offload.py KEEP_ALIVE): each call also holds the two slots before it, and
+    the plan reuses a slot's memory once the call two later has run; all but the top three slots
+    go to the host straight from their values. keep=0 (older artifacts): every slot through staging,
+    its memory reused at once."""
     from lorac.runtime.devices.cuda import offload as rt
     cuda = _HostCuda()
     monkeypatch.setattr(rt, "_rt", cuda)
     monkeypatch.setattr(rt, "_get_stream", lambda *_: 1)
     monkeypatch.setattr(rt, "_state", {})
     shapes = [([5, 7], "bfloat16", np.uint16), ([3, 1, 2], "float32", np.float32), ([129], "bfloat16", np.uint16)]
-    slots = [0, 1, 2, 4]
+    slots = [0, 1, 2, 4, 5, 7]
     manifest = type("M", (), {"unit_calls": [
-        {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": sh, "dtype": d} for sh, d, _ in shapes]}
-        for s in slots]})()
+        {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": sh, "dtype": d} for sh, d, _ in shapes],
+         **({"keep_alive": keep} if keep else {})} for s in slots]})()
     rt.prepare(manifest)
     # staging: two buffers, shared by both directions, each the size of the biggest slot (what memory.offload_staging counts)
     assert rt._state["staging_bytes"] == rt.slot_layout(manifest.unit_calls[0])[1]
@@ -264,22 +274,28 @@ def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch):
     for step in range(2):
         values = {s: [rng.integers(0, 60000, sh).astype(t) if t == np.uint16 else rng.standard_normal(sh).astype(t)
                       for sh, _, t in shapes] for s in slots}
+        sent = []
         for s in slots:
-            sent = [_Tensor(v.copy()) for v in values[s]]
-            rt._offloader(s)(*sent, None)
-            for x in sent:  # the plan reuses the values' memory at once
-                x.a[...] = 0
+            sent.append([_Tensor(v.copy()) for v in values[s]])
+            held = [x for values_of in sent[-1 - keep:-1] for x in values_of] if keep else []
+            rt._offloader(s)(*sent[-1], *held, None)
+            for x in (sent[-1 - keep] if len(sent) > keep else []):  # the plan reuses the memory of a slot
+                x.a[...] = 0                                          # no call holds any more
+        for x in (x for values_of in sent for x in values_of):  # and after the forward, all of it
+            x.a[...] = 0
         for s in reversed(slots):
             outs = [_Tensor(np.zeros_like(v)) for v in values[s]]
             rt._fetcher(s)(None, *outs)
             for o, v in zip(outs, values[s]):
                 assert np.array_equal(o.a, v), (step, s)
-    # a slot's values: one copy to the host and one back, but the top slot's, which wait in staging; each value
-    # its own copy in and out of staging
-    n = len(shapes)
-    assert cuda.copies.count(rt._D2H) == cuda.copies.count(rt._H2D) == 2 * (len(slots) - 1)
-    assert rt._state[4]["host"] is None and all(rt._state[s]["host"] for s in slots[:-1])
-    assert cuda.copies.count(rt._D2D) == 2 * 2 * len(slots) * n
+    # a slot's values: out to the host and back but the top slot's, which wait in staging; through staging
+    # each value its own copy in and one copy of the slot out; straight out, each value its own copy
+    n, direct = len(shapes), (len(slots) - rt.DIRECT_BEFORE_TOP if keep else 0)
+    staged = len(slots) - direct
+    assert cuda.copies.count(rt._D2H) == 2 * (direct * n + staged - 1)
+    assert cuda.copies.count(rt._H2D) == 2 * (len(slots) - 1)
+    assert rt._state[7]["host"] is None and all(rt._state[s]["host"] for s in slots[:-1])
+    assert cuda.copies.count(rt._D2D) == 2 * (staged + len(slots)) * n
 
 
 def test_offload_runtime_refuses_more_pinned_memory_than_the_host_has(monkeypatch):

@@ -3,8 +3,10 @@
     Offload(x1..xn) -> tokens     lorac.offload.<slot>(x1..xn, token)   out to pinned host memory
     Fetch(tokens) -> x1'..xn'     lorac.fetch.<slot>(token, x1'..xn')   back, before the recompute
 
-The token is one [1] int32 tensor (every output of Offload is it): once Offload has run,
-nothing reads the values, so the memory plan reuses their storage at once. Each slot (a layer)
+The token is one [1] int32 tensor (every output of Offload is it). Each Offload call also takes
+the values of the two slots offloaded before it, unread: the plan keeps a slot's storage until
+two calls later, so the runtime copies it to the host straight from there, and the call that
+lets it go first waits for that copy. Each slot (a layer)
 has functions of its own name, so the runtime knows the slot without a scalar argument (a
 host-side function per call in TVM's VM). In bf16 builds the copies move activations in bf16
 (how the step stores them: the residual stream, compiler/passes/residual_stream.py; GEMM
@@ -21,6 +23,7 @@ from tvm import relax
 
 OFFLOAD, FETCH = "lorac.offload", "lorac.fetch"
 TOKEN = relax.TensorType([1], "int32")
+KEEP_ALIVE = 2  # earlier slots whose values an offload call holds (runtime/devices/cuda/offload.py DIRECT)
 
 
 def _shape(x) -> list[int]:
@@ -46,6 +49,7 @@ def converters(dtype: str, cache=None) -> dict:
     narrow = dtype == "bfloat16"
     cache = cache if cache is not None else _Cast()
     slots: dict = {}  # slot -> [(shape, source dtype, moved dtype)]
+    sent: list = []  # the moved values of each offload so far, in the step's order
 
     def offload(bb, inputs, attrs, _params):
         slot, wide = int(attrs["slot"]), int(attrs.get("wide", 0))
@@ -57,9 +61,13 @@ def converters(dtype: str, cache=None) -> dict:
             moved.append(x)
             entries.append((_shape(x), source, str(x.ty.dtype)))
         slots[slot] = entries
-        calls.append({"function": OFFLOAD, "slot": slot,
+        calls.append({"function": OFFLOAD, "slot": slot, "keep_alive": KEEP_ALIVE,
                       "tensors": [{"shape": s, "dtype": d} for s, _, d in entries]})
-        token = bb.emit(relax.call_dps_packed(f"{OFFLOAD}.{slot}", moved, TOKEN))
+        # the two slots before this one ride along unread: their values stay alive (the plan keeps
+        # their memory) until the runtime has copied them out straight from where they are
+        keep = [v for values in sent[-KEEP_ALIVE:] for v in values]
+        sent.append(moved)
+        token = bb.emit(relax.call_dps_packed(f"{OFFLOAD}.{slot}", moved + keep, TOKEN))
         return token if len(inputs) == 1 else relax.Tuple([token] * len(inputs))
 
     def fetch(bb, inputs, attrs, _params):

@@ -3,18 +3,21 @@
 The compiler maps the graph's Offload / Fetch units (graphs/ops/offload.py) to two functions a
 slot (a layer), registered here when the artifact loads (compiler/units/offload.py):
 
-    lorac.offload.<slot>(x1..xn, token)  each x -> its place in a device staging buffer (copies
-                                         on TVM's stream), then the buffer -> the slot's pinned
-                                         host buffer in one copy on a side stream: the values'
-                                         memory is free for the plan at once, the PCIe copy
-                                         overlaps the forward
+    lorac.offload.<slot>(x1..xn, y.., token)  each x -> its place in the slot's pinned host
+                                         buffer on a side stream, straight from where the plan
+                                         keeps it (the y.. are the two slots before, held alive
+                                         by the call; the call that lets a slot go waits for its
+                                         copy); the top three slots, which no later call holds,
+                                         through a device staging buffer instead (copies on TVM's
+                                         stream, then one copy to the host on the side stream).
+                                         The PCIe copies overlap the forward
     lorac.fetch.<slot>(token, o1..on)    the slot's host buffer -> device staging on the side
                                          stream (issued one fetch ahead: the next slot's copy
                                          overlaps this layer's backward), then each place -> its
                                          output on TVM's stream
 
-Staging is two device buffers; the i-th slot of the step (ascending) uses buffer i % 2 both ways,
-first for its copy out, then for its copy back: the side stream runs every copy out before any
+Staging is two device buffers; the i-th slot of the step (ascending) uses buffer i % 2 for its
+copy back, the top three slots for their copy out first: the side stream runs every copy out before any
 copy back, and each copy out waits for the forward's writes into its buffer, so a fetch's copy
 into a buffer follows the last copy out of it. An event per buffer and direction orders its
 reuse after the copy that reads it. The top slot never leaves the device: nothing writes its
@@ -81,6 +84,10 @@ def _alloc(nbytes: int, host: bool) -> int:
 
 
 ALIGN = 256  # each value's place in a slot's buffers (cudaMalloc's alignment)
+# the top three slots go through staging: no later offload call holds their values, and the top
+# one's never leave it; the others are copied out straight from where the plan keeps them
+# (compiler/units/offload.py KEEP_ALIVE)
+DIRECT_BEFORE_TOP = 3
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
 
@@ -125,6 +132,8 @@ def prepare(manifest) -> None:
         tvm_ffi.register_global_func(f"{OFFLOAD}.{slot}", _offloader(slot), override=True)
         tvm_ffi.register_global_func(f"{FETCH}.{slot}", _fetcher(slot), override=True)
     _state["order"] = sorted(need)
+    # artifacts whose offload calls hold the two slots before them (compiler/units/offload.py)
+    _state["direct"] = all(int(c.get("keep_alive", 0)) >= 2 for c in calls)
 
 
 HOST_SHARE = 0.9  # of the host's available memory the pinned buffers may take (pinned pages never swap)
@@ -161,13 +170,22 @@ def _copy(dst: int, src: int, nbytes: int, kind: int, stream) -> None:
 
 def _offloader(slot: int):
     def offload(*args) -> None:
-        xs = args[:-1]  # the last argument is the token
         s, order = _state, _state["order"]
+        places = s[slot]["places"]
+        xs = args[:len(places)]  # then the two slots before it (kept alive, unread) and the token
         pos, nbytes = order.index(slot), s[slot]["bytes"]
         main, side, k = _get_stream(2, xs[0].device.index), s["side"], pos % 2
-        if pos >= 2:  # this staging buffer's last D2H (two slots ago, this step) must be done
+        if pos >= 2:  # the D2H of two slots ago must be done: its values' storage (a direct slot's,
+            # let go by this call) or its staging buffer (k) is reused after this call
             _check(_rt.cudaStreamWaitEvent(main, s["out_done"][k], 0), "cudaStreamWaitEvent")
-        for x, (at, n) in zip(xs, s[slot]["places"]):
+        if s["direct"] and pos < len(order) - DIRECT_BEFORE_TOP:  # straight from the values to the host
+            _check(_rt.cudaEventRecord(s["out_ready"][k], main), "cudaEventRecord")
+            _check(_rt.cudaStreamWaitEvent(side, s["out_ready"][k], 0), "cudaStreamWaitEvent")
+            for x, (at, n) in zip(xs, places):
+                _copy(s[slot]["host"] + at, x.data_ptr(), n, _D2H, side)
+            _check(_rt.cudaEventRecord(s["out_done"][k], side), "cudaEventRecord")
+            return
+        for x, (at, n) in zip(xs, places):
             _copy(s["staging"][k] + at, x.data_ptr(), n, _D2D, main)
         if pos == len(order) - 1:  # the top slot: its values wait in staging for the backward
             return
