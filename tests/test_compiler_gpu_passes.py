@@ -346,6 +346,38 @@ def test_wide_lora_projections_over_dequantized_weights_are_one_gemm():
     assert all("T.vectorized" in funcs[k] for k in concat), concat
 
 
+@pytest.mark.parametrize("weight, joined", [("cast", 0), ("scaled", 2)])
+def test_only_weights_computed_in_the_step_are_joined(weight, joined):
+    """compiler/passes/gemm_lora_k.py on a hand-made module: a frozen weight that is a parameter, or
+    only its cast, keeps the accumulating pair (a join would copy it every step); one computed in the
+    step (a dequantization; here a scale) is joined, and two projections of one x share its join."""
+    from tvm import relax
+
+    from lorac.compiler.passes.gemm_lora_k import concat_lora_gemms
+    T, K, N, r = 8, 16, 32, 4
+    bb = relax.BlockBuilder()
+    ty = lambda *shape: relax.TensorType(shape, "bfloat16")  # noqa: E731
+    x, u1, u2, b1, b2 = (relax.Var(n, ty(*sh)) for n, sh in
+                         (("x", (T, K)), ("u1", (T, r)), ("u2", (T, r)), ("b1", (N, r)), ("b2", (N, r))))
+    w1, w2 = (relax.Var(n, relax.TensorType((N, K), "float32")) for n in ("w1", "w2"))
+    with bb.function("main", [x, u1, u2, b1, b2, w1, w2]):
+        with bb.dataflow():
+            ys = []
+            for u, b, w in ((u1, b1, w1), (u2, b2, w2)):
+                if weight == "scaled":
+                    w = relax.op.multiply(w, relax.const(0.5, "float32"))
+                wb = bb.emit(relax.op.astype(w, "bfloat16"))
+                ys.append(bb.emit(relax.call_dps_packed("lorac.gemm_acc_ntnt", [u, b, x, wb], ty(T, N))))
+            out = bb.emit_output(relax.Tuple(ys))
+        bb.emit_func_output(out)
+    mod, n = concat_lora_gemms(bb.get())
+    assert n == joined
+    text = mod["main"].script()
+    assert text.count('"lorac.gemm_acc_ntnt"') == 2 - joined
+    if joined:  # one join of x for both: [T, K + 2r]
+        assert text.count(f"R.Tensor(({T}, {K + 2 * r}), dtype=\"bfloat16\") = R.reshape") == 1, text
+
+
 def test_only_widened_unsigned_indices_lose_their_wrap():
     """ONNX Gather's negative-index wrap (TVM's frontend: where(i < 0, i + n, i)) goes where the
     index is an unsigned value widened to a signed type, and stays for signed indices; the

@@ -52,9 +52,25 @@ def _operands(value, bound: dict):
     (tokens, r), (out, inp) = su, sw
     if sx != [tokens, inp] or sb != [out, r] or r >= inp or out < LORA_K_WIDE * inp or r % LANES or inp % LANES:
         return None
-    if any(str(v.ty.dtype) != "bfloat16" for v in (u, b, x, w)) or w not in bound:
-        return None  # a parameter: its join would be a copy of W every step
+    if any(str(v.ty.dtype) != "bfloat16" for v in (u, b, x, w)) or _from_parameter(bound, w):
+        return None  # its join would be a copy of W every step
     return u, b, x, w
+
+
+_VIEWS = {tvm.ir.Op.get(f"relax.{name}") for name in ("astype", "reshape", "permute_dims")}
+
+
+def _from_parameter(bound: dict, v) -> bool:
+    """Whether v is a function parameter, or only a cast or reshape of one (not a dequantization)."""
+    while v in bound:
+        value = bound[v]
+        if isinstance(value, relax.Var):
+            v = value
+        elif isinstance(value, relax.Call) and value.op in _VIEWS:
+            v = value.args[0]
+        else:
+            return False
+    return isinstance(v, relax.Var)
 
 
 def _plan_block(block: relax.DataflowBlock, bound: dict) -> tuple[list, dict]:
@@ -69,15 +85,19 @@ def _plan_block(block: relax.DataflowBlock, bound: dict) -> tuple[list, dict]:
         if got is not None:
             by_x.setdefault(got[2], []).append((i, got[0]))
     plan, first = {}, {}
+
+    def alone(x, members):  # each projection joins x with its own u
+        for i, u in members:
+            plan[binds[i].var] = (x, [u], 0)
+
     for x, members in by_x.items():
         us = [u for _, u in members]
-        if len({_static_shape(u.ty)[1] for u in us}) > 1:  # ranks differ: each joins x alone
-            for i, u in members:
-                plan[binds[i].var] = (x, [u], 0)
+        if len({_static_shape(u.ty)[1] for u in us}) > 1:  # ranks differ
+            alone(x, members)
             continue
         for k, (i, _) in enumerate(members):
             plan[binds[i].var] = (x, us, k)
-        first[members[0][0]] = [pos[u] for u in us[1:] if u in pos]
+        first[members[0][0]] = (x, members, [pos[u] for u in us[1:] if u in pos])
     order, done = [], set()
 
     def emit(i: int, stop: int) -> bool:
@@ -93,9 +113,11 @@ def _plan_block(block: relax.DataflowBlock, bound: dict) -> tuple[list, dict]:
         return True
 
     for i in range(len(binds)):
-        for j in first.get(i, ()):
-            if not emit(j, i):
-                raise ValueError("a joined projection's u depends on the GEMM it joins")
+        x, members, later = first.get(i, (None, (), ()))
+        if not all(emit(j, i) for j in later):
+            # a later projection's u needs this one's result: each joins x alone (what was moved
+            # up has its dependencies before it, so the order stays valid)
+            alone(x, members)
         emit(i, -1)
     return [binds[i] for i in order], plan
 
