@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from .ops.attention import Mask, attention_backward, attention_forward, attention_saved
 from .builder import GraphBuilder
-from .ops.linear import (Proj, add_lora, frozen_weight, gather_rows, group_backward, linear_forward,
-                         linear_group_forward, lora_inputs, projection_backward)
+from .ops.linear import (Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward,
+                         lora_inputs, projection_backward)
 from .ops.mlp import swiglu_backward, swiglu_forward
 from .ops.norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward, rmsnorm_stats
 from .ops.rope import rope_at, rope_backward, rope_forward, rope_tables
@@ -250,34 +250,20 @@ def recomputed_mlp_tail(u: dict) -> dict:
     return {**u, "down_proj": None}
 
 
-def backward_of_projections(g, grads: dict, L, s):
-    """(proj_back(dout, x, target, want_dx), group_back(douts, x, targets, want_dx)) of a layer's
-    backward: one projection's (linear.projection_backward), and those that read one x with their
-    LoRA A gradients in one GEMM (linear.group_backward); LoRA gradients go into `grads`."""
-    def names(t):
-        return lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
-
-    def proj_back(dout, x, t, want_dx=True):
-        return projection_backward(g, grads, names(t), dout, x, s.u[t], L.proj[t], want_dx)
-
-    def group_back(douts, x, targets, want_dx=True):
-        return group_backward(g, grads, [names(t) for t in targets], douts, x, [s.u[t] for t in targets],
-                              [L.proj[t] for t in targets], want_dx)
-
-    return proj_back, group_back
-
-
 def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     """dy = dLoss/d x_out [N, D] -> dLoss/d x_in (None if not needed); LoRA grads into `grads`."""
     g, spec = c.g, c.spec
     B, K, G, S, Dh = c.dims
     N = B * S
 
-    proj_back, group_back = backward_of_projections(g, grads, L, s)
+    def proj_back(dout, x, t, want_dx=True):
+        names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
+        return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
+
     h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing)
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dgt, dup = gated_mlp_backward(g, proj_back, dy, s, act)
-    dh2 = g.add_all(*group_back((dgt, dup), h2, GATE_UP))
+    dh2 = g.add_all(proj_back(dgt, h2, "gate_proj"), proj_back(dup, h2, "up_proj"))
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s.n2))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
     da2 = proj_back(dx1, s.a2, "o_proj")
@@ -290,7 +276,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     dq = g.reshape(dq4, N, K * G * Dh)
     dk = g.reshape(dk4, N, K * Dh)
     dv = g.reshape(dv4, N, K * Dh)
-    dh1 = group_back((dq, dk, dv), h1, QKV, need_dx)
+    dh1 = [proj_back(d, h1, t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
     if not need_dx:
         return None
     dh1 = g.add_all(*dh1)  # one accumulating GEMM chain on GPUs (compiler/passes/gemm_sum.py)

@@ -96,29 +96,6 @@ def projection_backward(g, grads: dict, names, dy, x, u, p: Proj, need_dx: bool 
     return dx
 
 
-def group_backward(g, grads: dict, names: list, dys: list, x, us: list, projs: list, need_dx: bool = True) -> list:
-    """projection_backward of projections that read the same x (q/k/v; gate/up) -> their dx (None
-    where not needed): each dB, du and dx as linear_backward, but the adapted ones' A gradients in
-    one GEMM, [du_1 | ... | du_n]^T x, reading x once instead of once a projection."""
-    adapted = [i for i, p in enumerate(projs) if p.a is not None]
-    if len(adapted) < 2 or any(us[i] is None for i in adapted):
-        return [projection_backward(g, grads, n, dy, x, u, p, need_dx) for n, dy, u, p in zip(names, dys, us, projs)]
-    dxs, dus = [], []
-    for n, dy, u, p in zip(names, dys, us, projs):
-        if p.a is None:
-            dxs.append(linear_backward(g, dy, x, u, p, need_dx)[0])
-            continue
-        grads[n[1]] = g.matmul(g.transpose(dy, 1, 0), u)  # dB = dy^T u
-        du = g.op("Mul", g.matmul(dy, p.b), g.f(p.scale))
-        dus.append(du)
-        dxs.append(g.op("Add", g.matmul(dy, weight(g, p)), g.matmul(du, p.a)) if need_dx else None)
-    r = int(projs[adapted[0]].a.shape[0])
-    da = g.matmul(g.transpose(g.op("Concat", *dus, axis=1), 1, 0), x)  # [n r, in]
-    for j, i in enumerate(adapted):
-        grads[names[i][0]] = g.slice(da, j * r, (j + 1) * r, 0)
-    return dxs
-
-
 def linear_group_forward(g, x, projs: list):
     """Projections that read the same x (q/k/v; gate/up): each frozen GEMM as linear_forward,
     but the adapted ones' A matrices concatenated into one [k*r, in], so x meets them in one
