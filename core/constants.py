@@ -27,3 +27,9 @@ def packed_bias_bytes(batch: int, seq: int) -> int:
 # than its input runs as one GEMM over [x | u] and [W | B] in bf16 CUDA steps
 # (compiler/passes/gemm_lora_k.py); the memory estimate counts the wider rows (runtime/train/memory.py).
 LORA_K_WIDE = 2
+
+# Each activation-offload call holds the values of this many slots offloaded before it, so the CUDA
+# runtime copies a slot to the host straight from the step's memory and the call that lets it go
+# waits for that copy (compiler/units/offload.py; runtime/devices/cuda/offload.py, whose two
+# staging buffers and two-slots-ago wait are built for this count).
+OFFLOAD_KEEP_ALIVE = 2

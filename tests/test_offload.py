@@ -170,7 +170,7 @@ def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
     text = mod["main"].script()
     assert text.count('"lorac.attention_fwd"') == SPEC.layers  # the forward's only
     # each call holds the values of the (up to) two slots before it, so the runtime copies those
-    # out straight from the plan's memory (compiler/units/offload.py KEEP_ALIVE)
+    # out straight from the plan's memory (core/constants.py OFFLOAD_KEEP_ALIVE)
     import re
     args = [len(a.split(",")) for a in re.findall(r'"lorac\.offload\.\d+", \(([^)]*)\)', text)]
     assert args == [8, 16, 24] and all(c["keep_alive"] == 2 for c in slots), args
@@ -252,7 +252,7 @@ def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch, keep)
     """Several values a slot (the attention state: bf16 activations, fp32 statistics, odd sizes):
     each comes back from host memory into its own output, over a step's order (offloads
     ascending, fetches descending, one fetch ahead) and a second step through the same staging.
-    keep=2 (compiler/units/offload.py KEEP_ALIVE): each call also holds the two slots before it, and
+    keep=2 (core/constants.py OFFLOAD_KEEP_ALIVE): each call also holds the two slots before it, and
     the plan reuses a slot's memory once the call two later has run; all but the top three slots
     go to the host straight from their values. keep=0 (older artifacts): every slot through staging,
     its memory reused at once."""

@@ -140,7 +140,7 @@ class _Join(PyExprMutator):
         # zeros against the other projections' u (their ranks are this one's: _plan_block), formed in
         # the joining kernel as B * 0: a zeros op would be folded into a constant block stored with
         # the artifact, one per projection and layer
-        zero = relax.op.multiply(b, relax.const(0.0, "bfloat16"))
+        zero = self.builder_.normalize(relax.op.multiply(b, relax.const(0.0, "bfloat16")))
         wb = self.builder_.emit(_join_columns([w] + [b if i == k else zero for i in range(len(us))]))
         self.rewritten += 1
         call = relax.call_dps_packed(GEMM_PREFIX + "nt", [self.joined[key], wb], binding.value.ty)
@@ -151,16 +151,10 @@ def _join_columns(values: list):
     """[rows, n_i] values side by side -> [rows, sum n_i], as a concat of [rows, n_i / LANES, LANES]
     blocks: the fused kernel's choice of source is then the same for the LANES elements of a
     vector, which keeps it vectorized (a choice per element makes TVM write one element at a time)."""
-    shapes = [_shape_of(v) for v in values]
+    shapes = [_static_shape(v.ty) for v in values]
     rows = shapes[0][0]
     blocks = [relax.op.reshape(v, [rows, n // LANES, LANES]) for v, (_, n) in zip(values, shapes)]
     return relax.op.reshape(relax.op.concat(blocks, axis=1), [rows, sum(n for _, n in shapes)])
-
-
-def _shape_of(v) -> list[int]:
-    if isinstance(v, relax.Call) and v.op == tvm.ir.Op.get("relax.multiply"):
-        return _static_shape(v.args[0].ty)
-    return _static_shape(v.ty)
 
 
 def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from tvm import relax
 
+from lorac.core.constants import OFFLOAD_KEEP_ALIVE as KEEP_ALIVE
+
 OFFLOAD, FETCH = "lorac.offload", "lorac.fetch"
 TOKEN = relax.TensorType([1], "int32")
-KEEP_ALIVE = 2  # earlier slots whose values an offload call holds (runtime/devices/cuda/offload.py DIRECT)
 
 
 def _shape(x) -> list[int]:

@@ -153,8 +153,8 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     if log is not None:
         from lorac.graphs.compose import offloads_state
         host = step_memory.offload_host(spec, train, cfg.dtype or device.DEFAULT_DTYPE)
-        log(f"memory: auto: {step_memory.describe(ckpt, keep, len(train.layers(spec)), off, offloads_state(spec, train), host)} "
-            f"({why})")
+        setting = step_memory.describe(ckpt, keep, len(train.layers(spec)), off, offloads_state(spec, train), host)
+        log(f"memory: auto: {setting} ({why})")
     return cfg, train
 
 

@@ -17,8 +17,8 @@ slot (a layer), registered here when the artifact loads (compiler/units/offload.
                                          output on TVM's stream
 
 Staging is two device buffers; the i-th slot of the step (ascending) uses buffer i % 2 for its
-copy back, the top three slots for their copy out first: the side stream runs every copy out before any
-copy back, and each copy out waits for the forward's writes into its buffer, so a fetch's copy
+copy back and, if it is one of the top three, for its copy out before that: the side stream runs
+every copy out before any copy back, and each copy out waits for the forward's writes into its buffer, so a fetch's copy
 into a buffer follows the last copy out of it. An event per buffer and direction orders its
 reuse after the copy that reads it. The top slot never leaves the device: nothing writes its
 buffer between its offload (the forward's last) and its fetch (the backward's first), so its
@@ -31,6 +31,8 @@ and events are made when the artifact loads, before any capture.
 from __future__ import annotations
 
 import ctypes
+
+from lorac.core.constants import OFFLOAD_KEEP_ALIVE as KEEP_ALIVE
 
 from ...errors import LoracError
 
@@ -84,10 +86,9 @@ def _alloc(nbytes: int, host: bool) -> int:
 
 
 ALIGN = 256  # each value's place in a slot's buffers (cudaMalloc's alignment)
-# the top three slots go through staging: no later offload call holds their values, and the top
-# one's never leave it; the others are copied out straight from where the plan keeps them
-# (compiler/units/offload.py KEEP_ALIVE)
-DIRECT_BEFORE_TOP = 3
+# the top KEEP_ALIVE + 1 slots go through staging: no later offload call holds their values, and
+# the top one's never leave it; the others are copied out straight from where the plan keeps them
+DIRECT_BEFORE_TOP = KEEP_ALIVE + 1
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
 
@@ -113,7 +114,8 @@ def prepare(manifest) -> None:
     _init()
     need = {int(c["slot"]): slot_layout(c) for c in calls}
     top = max(need)  # stays in staging (module doc): no host buffer
-    check_host_memory(sum(n for slot, (_, n) in need.items() if slot != top and _state.get(slot, {}).get("bytes", 0) < n))
+    check_host_memory(sum(n for slot, (_, n) in need.items()
+                          if slot != top and _state.get(slot, {}).get("bytes", 0) < n))
     biggest = max(total for _, total in need.values())
     if _state.get("staging_bytes", 0) < biggest:
         side = ctypes.c_void_p()
@@ -133,7 +135,7 @@ def prepare(manifest) -> None:
         tvm_ffi.register_global_func(f"{FETCH}.{slot}", _fetcher(slot), override=True)
     _state["order"] = sorted(need)
     # artifacts whose offload calls hold the two slots before them (compiler/units/offload.py)
-    _state["direct"] = all(int(c.get("keep_alive", 0)) >= 2 for c in calls)
+    _state["direct"] = all(int(c.get("keep_alive", 0)) == KEEP_ALIVE for c in calls)
 
 
 HOST_SHARE = 0.9  # of the host's available memory the pinned buffers may take (pinned pages never swap)
