@@ -181,7 +181,8 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
             from .passes.residual_stream import RESIDUAL_KEY, narrow_residuals
             mod, gemm["bf16_outputs"] = narrow_gemm_outputs(mod)
             if {p.key: p.value for p in proto.metadata_props}.get(RESIDUAL_KEY) != "float32":
-                mod, gemm["bf16_residuals"], gemm["bf16_read_narrow"] = narrow_residuals(mod)
+                mod, gemm["bf16_residuals"], gemm["bf16_gradient_sums"], gemm["bf16_read_narrow"] = \
+                    narrow_residuals(mod)
             if acc:
                 from .passes.gemm_lora_k import concat_lora_gemms
                 mod, gemm["lora_k_concat"] = concat_lora_gemms(mod)

@@ -66,7 +66,9 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
             c.recomputing = True  # a family may stop before what only the layer's output needs
             _, s = fam.layer_forward(c, x_in, L)
             c.recomputing = False
+        c.fresh = saved[L.idx] is None
         dx = fam.layer_backward(c, dx, L, s, need_dx=L.idx > lowest, grads=grads)
+        c.fresh = False
     g.scope = "out"
     g.output(g.reshape(loss), "loss")
     for name in fam.lora_tensor_names(spec, train):

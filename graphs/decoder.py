@@ -57,14 +57,19 @@ class Saved:
     u: dict  # target -> s x A^T of its LoRA (None if not adapted)
 
 
-def projection_inputs(g, s, in_norm, post_norm, gated, lean: bool):
+def projection_inputs(g, s, in_norm, post_norm, gated, lean: bool, fresh: bool = False):
     """(h1, h2, act) of a layer's Saved `s` (fields h1, n1, h2, n2, gate, up, act), the LoRA
     A gradients' inputs: as the forward kept them, or with `lean` (checkpointing) recomputed
     from the norms' statistics and gate/up (`gated`: the MLP's activation, e.g. geglu_forward;
-    None where the activation's backward unit forms it: act is None, gated_mlp_backward)."""
+    None where the activation's backward unit forms it: act is None, gated_mlp_backward).
+    `fresh`: `s` was recomputed just before this backward (Ctx.fresh), so its norms' outputs
+    are the ones its recompute formed for q/k/v's LoRA and gate/up: read as they are, not
+    formed a second time (two [N, D] passes a recomputed layer)."""
     if not lean:
         return s.h1, s.h2, s.act
     act = gated(g, s.gate, s.up) if gated is not None else None
+    if fresh:
+        return s.h1, s.h2, act
     return rmsnorm_apply(g, in_norm, s.n1), rmsnorm_apply(g, post_norm, s.n2), act
 
 
@@ -96,6 +101,7 @@ class Ctx:
         # set by compose.py around a checkpointed layer's recompute: the backward reads neither the
         # layer's output nor down_proj's forward, so layer_forward stops before them
         self.recomputing = False
+        self.fresh = False  # the layer whose backward is being emitted was recomputed for it
         B, S = train.batch, train.seq
         self.dims = (B, spec.kv_heads, spec.group, S, spec.head_dim)
         cos, sin = rope_tables(S, spec.head_dim, spec.rope_theta)
@@ -260,7 +266,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
-    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing)
+    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing, fresh=c.fresh)
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dgt, dup = gated_mlp_backward(g, proj_back, dy, s, act)
     dh2 = g.add_all(proj_back(dgt, h2, "gate_proj"), proj_back(dup, h2, "up_proj"))

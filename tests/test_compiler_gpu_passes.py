@@ -70,7 +70,7 @@ def test_reductions_get_threads_by_row_length():
     assert row_max and all('T.thread_binding(T.int64(256), thread="threadIdx.x")' in funcs[n] for n in row_max)
     # the norms' sums of squares (and of gw * xhat), each with its product fused in: rows
     # of 64 (hidden) get a warp per row, 8 rows a block; none gets 256 threads
-    short = [n for n in funcs if re.fullmatch(r"fused_(cast\d*_)*(multiply\d*_)+sum\d*", n)]
+    short = [n for n in funcs if re.fullmatch(r"fused_((cast|multiply)\d*_)*multiply\d*_sum\d*", n)]
     warp = [n for n in short if 'T.thread_binding(T.int64(32), thread="threadIdx.x")' in funcs[n]
             and 'T.thread_binding(T.int64(8), thread="threadIdx.y")' in funcs[n]]
     assert len(warp) >= 2
@@ -291,10 +291,12 @@ def _nf4_decoder():
 
 
 def test_nf4_dequantization_is_one_kernel(monkeypatch):
-    """An NF4 weight's lookup into its 256 code pairs fuses with the bytes' widening before it and
-    the absmax scale and bf16 cast after it (compiler/passes/lookups.py): one kernel reads the
-    packed bytes and writes the weight, where three wrote int32 indices and fp32 pairs; the
-    plan holds less. Embedding lookups (large tables) stay kernels of their own."""
+    """An NF4 weight's lookup into its 16 codes fuses with the bytes' read and nibble split before
+    it and the absmax scale and bf16 cast after it (compiler/passes/lookups.py): one kernel reads
+    the packed bytes and writes the weight, where three wrote int32 indices and fp32 values; the
+    plan holds less. The double-quantized absmax (its lookup, its scale, the product and the
+    offset) is computed inside that kernel too, not by small kernels before every read
+    (graphs/ops/quant.py). Embedding lookups (large tables) stay kernels of their own."""
     from lorac.compiler.passes import lookups
 
     model = _nf4_decoder()
@@ -304,10 +306,12 @@ def test_nf4_dequantization_is_one_kernel(monkeypatch):
     assert dequant, names
     # the bytes' negative-index wrap dropped (lookups.unwrap_unsigned_indices): one vectorized kernel
     assert not [n for n in dequant if "less" in n or "where" in n], dequant
-    assert all(re.match(r"fused_cast\d*_take", n) for n in dequant), dequant
+    assert all(re.match(r"fused_(expand_dims\d*_)?right_shift\d*_bitwise_and\d*_cast\d*_", n) for n in dequant), dequant
     assert all("T.vectorized" in plan["_mod"][n].script() for n in dequant)
+    assert all(n.count("take") == 2 and "maximum" in n for n in dequant), dequant  # the codes, the nested code
     alone = [n for n in names if re.fullmatch(r"take\d*", n)]
     assert len(alone) <= 2, alone  # the embedding's lookups; every code lookup is fused
+    assert not [n for n in names if re.fullmatch(r"fused_cast\d*_take\d*|fused_multiply\d*_expand_dims\d*_sum\d*", n)]
     monkeypatch.setattr(lookups, "is_small_lookup", lambda name, func: False)
     unfused = _cuda_plan(model, "bfloat16")
     assert plan["static_plan_bytes"] < unfused["static_plan_bytes"], (plan["static_plan_bytes"],

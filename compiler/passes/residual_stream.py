@@ -79,9 +79,41 @@ def residual_sums(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
     return narrowed
 
 
+def gradient_sums(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
+    """The dataflow vars bound to a sum of the gradient stream: an fp32 `R.add` of two fp32
+    results of one static shape (neither a widened `dtype` value: those are the forward's
+    residual sums) that a GEMM reads (one of its readers narrows it to `dtype`). Each layer's
+    backward adds its norms' input gradients into the gradient of its output twice, and every
+    such sum fed a GEMM through a cast kernel of its own besides the next norm's kernels:
+    stored in `dtype`, as the forward's residual sums are (and as a bf16 model's gradients are
+    in PyTorch), the add still computes in fp32 inside its kernel and rounds once as it writes,
+    the GEMMs read it as it is and the other readers widen their own copies."""
+    found: set = set()
+    for block in dataflow_blocks(mod):
+        values = {b.var: b.value for b in block.bindings}
+        users = relax.analysis.udchain(block)
+        for b in block.bindings:
+            v = b.value
+            if not (isinstance(b.var, relax.DataflowVar) and isinstance(v, relax.Call) and v.op == _ADD
+                    and isinstance(b.var.ty, relax.TensorType) and str(b.var.ty.dtype) == "float32"):
+                continue
+            shapes = [_static_shape(a.ty) for a in v.args]
+            if shapes[0] is None or shapes[0] != shapes[1] or len(shapes[0]) < 2:
+                continue
+            if any(str(a.ty.dtype) != "float32" or _is_stream(a, values, set(), dtype) for a in v.args):
+                continue
+            narrows = [isinstance(values.get(u), relax.Call) and values[u].op == _ASTYPE
+                       and str(values[u].attrs.dtype) == dtype for u in users.get(b.var, ())]
+            if any(narrows) and not all(narrows):  # read by a GEMM and by others (one reader: fused)
+                found.add(b.var)
+    return found
+
+
 def read_narrow(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
-    """The fp32 dataflow vars stored in `dtype` at no cost: the embedding's widened rows
-    (the stream's first value; its readers widen their own copies), and every value all of
+    """The fp32 dataflow vars stored in `dtype` at no cost: every widening of a `dtype` value
+    (the embedding's rows, the stream's first value; a checkpointed layer's input fetched back
+    from host memory), whose readers then widen their own copies inside their kernels instead
+    of all reading one fp32 copy a kernel of its own wrote, and every value all of
     whose readers narrow it again, directly or after a slice or reshape (the final norm's
     output, read by the loss chunks' GEMMs; a LoRA projection's s x A^T, read by its B and
     dB GEMMs): stored narrow, they read the same values."""
@@ -98,10 +130,8 @@ def read_narrow(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
             if not (isinstance(var, relax.DataflowVar) and isinstance(var.ty, relax.TensorType)
                     and str(var.ty.dtype) == "float32" and _static_shape(var.ty)):
                 continue
-            if (isinstance(v, relax.Call) and v.op == _ASTYPE and isinstance(v.args[0], relax.Var)
-                    and isinstance(values.get(v.args[0]), relax.Call) and values[v.args[0]].op == _TAKE
-                    and str(v.args[0].ty.dtype) == dtype):
-                found.add(var)
+            if isinstance(v, relax.Call) and v.op == _ASTYPE and str(v.args[0].ty.dtype) == dtype:
+                found.add(var)  # a widening: each reader widens its own copy instead
                 continue
             readers = list(users.get(var, ()))
             if readers and all(narrows(u) or (isinstance(values.get(u), relax.Call) and values[u].op in _VIEWS
@@ -111,7 +141,8 @@ def read_narrow(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
     return found
 
 
-def narrow_residuals(mod: tvm.IRModule, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int, int]:
-    """-> (module, number of residual sums and of read_narrow's values now stored in `dtype`)."""
-    sums, others = residual_sums(mod, dtype), read_narrow(mod, dtype)
-    return narrow_values(mod, sums | others, dtype)[0], len(sums), len(others - sums)
+def narrow_residuals(mod: tvm.IRModule, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int, int, int]:
+    """-> (module, number of residual sums, of gradient sums and of read_narrow's values now
+    stored in `dtype`)."""
+    sums, grads, others = residual_sums(mod, dtype), gradient_sums(mod, dtype), read_narrow(mod, dtype)
+    return narrow_values(mod, sums | grads | others, dtype)[0], len(sums), len(grads), len(others - sums - grads)

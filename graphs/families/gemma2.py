@@ -186,7 +186,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
     h1, h2, act = projection_inputs(g, s, L.norms["input_layernorm"], L.norms["pre_feedforward_layernorm"],
-                                    geglu_forward, lean=c.train.checkpointing)
+                                    geglu_forward, lean=c.train.checkpointing, fresh=c.fresh)
     # MLP block: x_out = x1 + post_ffw_norm(down(geglu(gate(h2), up(h2)))), h2 = pre_ffw_norm(x1)
     ddn = rmsnorm_backward(g, dy, L.norms["post_feedforward_layernorm"], s.n_ffw)
     dgate, dup = geglu_backward(g, proj_back(ddn, act, "down_proj"), s.gate, s.up)

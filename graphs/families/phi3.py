@@ -166,7 +166,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
         names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
         return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
 
-    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing)
+    h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing, fresh=c.fresh)
     # MLP block: x_out = x1 + down(swiglu(gate, up)), [gate | up] = gate_up(norm(x1))
     dgate, dup = gated_mlp_backward(g, proj_back, dy, s, act)
     dh2 = proj_back(g.op("Concat", dgate, dup, axis=1), h2, "gate_up_proj")

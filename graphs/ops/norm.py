@@ -32,7 +32,11 @@ def rmsnorm_apply(g, w, saved):
 def rmsnorm_backward(g, dy, w, saved):
     # with gw = dy*w: dxhat = gw and d rstd/dx = -rstd^3 x / D, so
     # dx = rstd * (gw - xhat * mean(gw * xhat))
+    # gw is emitted twice, once for the row sum and once for dx: one shared product has two
+    # readers of different kinds (a reduction, an elementwise kernel), so FuseOps made it a
+    # kernel of its own writing an fp32 [tokens, D] copy read back twice (bf16 dy read once
+    # per reader instead: 64 such kernels and ~6 ms of a Llama-3-8B 4x2048 step on the H100)
     x, rstd = saved
-    gw = g.op("Mul", dy, w)
-    dot = g.op("Mul", g.reduce_sum(g.op("Mul", gw, g.op("Mul", x, rstd)), -1), g.f(1.0 / int(w.shape[0])))
-    return g.op("Mul", g.op("Sub", gw, g.op("Mul", g.op("Mul", x, rstd), dot)), rstd)
+    dot = g.op("Mul", g.reduce_sum(g.op("Mul", g.op("Mul", dy, w), g.op("Mul", x, rstd)), -1),
+               g.f(1.0 / int(w.shape[0])))
+    return g.op("Mul", g.op("Sub", g.op("Mul", dy, w), g.op("Mul", g.op("Mul", x, rstd), dot)), rstd)

@@ -201,15 +201,16 @@ def _need(arrays, stem, suffixes):
 
 def nf4_codes(g, packed, v: dict):
     """code[b >> 4], code[b & 15] of every byte b of `packed` [..., k] -> float32 [..., k, 2] (`v`: the
-    weight's inputs, code = v["nf4_code"]): a Gather into the 256 code pairs, indexed by the bytes.
-    Exact: each value is one of the 16 inputs. The compiler fuses the lookup with the bytes'
-    widening and the scale after it (compiler/passes/lookups.py): one kernel, no int32 indices or
-    fp32 pairs in memory. (A tree of 15 selects over the nibbles' bits fused too, but its kernels
-    made the 8B NF4 step 195 ms slower on the H200, at 1x2048 and at 4x2048 alike.)"""
-    if "code_pairs" not in v:  # [256, 2], shared by every read of this weight
-        v["code_pairs"] = g.op("Gather", v["nf4_code"], g.const(
-            np.stack([np.arange(256) >> 4, np.arange(256) & 15], 1).astype(np.int32)))
-    return g.op("Gather", v["code_pairs"], g.op("Cast", packed, to=I32))
+    weight's inputs, code = v["nf4_code"]): each byte shifted by (4, 0) along a new last axis, its
+    low nibble the index of a Gather into the 16 codes. Exact: each value is one of the 16 inputs.
+    The compiler fuses the shift, the lookup and the scale after it with the bytes' read
+    (compiler/passes/lookups.py): one vectorized kernel, no int32 indices or fp32 pairs in memory,
+    one lookup an element after the byte's load. (A lookup into 256 code pairs needed the pairs
+    first: a kernel of its own before every read, or, fused, a second dependent load an element:
+    the 8B gate/up weight's read went from 73 to 92 us on the H100. A tree of 15 selects over the
+    nibbles' bits fused too, but its kernels made the 8B NF4 step 195 ms slower on the H200.)"""
+    shifted = _shr(g, g.op("Unsqueeze", packed, g.ints(-1)), np.array([4, 0], dtype=np.uint8))
+    return g.op("Gather", v["nf4_code"], g.op("Cast", _and(g, shifted, 0x0F), to=I32))
 
 
 def nf4_dense(g, q: Quant, v: dict, out: int, inp: int):
@@ -221,9 +222,12 @@ def nf4_dense(g, q: Quant, v: dict, out: int, inp: int):
         if ns * NESTED != nb:
             scale = g.slice(scale, 0, nb, 0)
         nested = g.op("Gather", v["absmax_code"], g.op("Cast", v["absmax_q"], to=I32))
-        # the product kept (a kernel boundary), so no compiler fuses it with the add into an FMA:
-        # bitsandbytes rounds both (dequantize_blockwise, then += offset)
-        absmax = g.op("Add", g.kept(g.op("Mul", nested, scale)), v["absmax_offset"])
+        # bitsandbytes rounds the product and the sum apart (dequantize_blockwise, then += offset):
+        # a max with the lowest float between them (the product unchanged: finite) keeps any
+        # compiler from contracting the two into one FMA, and, unlike a kernel boundary, lets the
+        # nested lookup fuse into the dequantizing kernel (four small kernels fewer a read)
+        prod = g.op("Clip", g.op("Mul", nested, scale), g.const(np.float32(np.finfo(np.float32).min)))
+        absmax = g.op("Add", prod, v["absmax_offset"])
     else:
         absmax = v["absmax"]
     w = g.op("Mul", g.reshape(codes, nb, q.block), g.op("Unsqueeze", absmax, g.ints(1)))
