@@ -188,15 +188,16 @@ def layer_forward(c: Ctx, x, L: Layer):
     return g.op("Add", x1, dn), Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, act, u)
 
 
-# Host-link bytes a forward FLOP can hide: ~50 GB/s of pinned copies out against ~750-800 TFLOP/s of
-# bf16 GEMMs (an H100, measured: docs/BENCHMARKS.md) is 6.5e-5; the forward's attention, norms and
-# elementwise kernels (a quarter of its GEMM time at the Llama-3-8B shape) add the rest
-STATE_BYTES_PER_FLOP = 7.5e-5
+# Host-link bytes a forward FLOP can hide: the copies out run at ~55 GB/s (an H100's profile of
+# the Llama-3-8B 4x2048 step: 6.6 GB in 120 ms) while its forward computes ~3.6 TFLOP a layer in
+# ~6 ms, GEMMs at 700-800 TFLOP/s with its attention, norms, dequantization and elementwise
+# kernels (docs/BENCHMARKS.md): ~9.4e-5, a little margin below it
+STATE_BYTES_PER_FLOP = 9e-5
 
 
 def state_offload_pays(spec) -> bool:
-    """Whether a recomputed layer's attention state (attention_state: x, q, k, v, the output in
-    bf16, the row statistics in fp32; q and k before their norms too where the model has them)
+    """Whether a recomputed layer's attention state (attention_state: x, q, k, v, the output and
+    x1 in bf16, the row statistics in fp32; q and k before their norms too where the model has them)
     copies to host memory within the time its forward computes: what TrainSpec.offload_state None
     takes. Llama-3-8B and larger shapes yes, small ones no (their layers are too quick for the
     link: a Qwen3-0.6B layer would wait ~10x its compute)."""
@@ -211,23 +212,27 @@ def offload_state_bytes(spec, itemsize: int = 2) -> int:
     input first): activations in `itemsize`, the row statistics in fp32."""
     D = spec.hidden
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    return itemsize * (D + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)) + 4 * spec.heads
+    return itemsize * (2 * D + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)) + 4 * spec.heads
 
 
 def attention_state(s: Saved) -> tuple[list, tuple]:
     """(values, wide): what a recomputed layer with offload_state sends to host memory besides
     its input (in this order; layer_refill takes them back): what its attention's backward reads
-    (q, k, v, o and the row statistics lse) and the q/k norms' inputs where the model has them;
-    `wide`, the indices of those a bf16 step moves in fp32 (lse: graphs/ops/offload.py)."""
+    (q, k, v, o and the row statistics lse), the q/k norms' inputs where the model has them, and
+    the residual sum after attention, x1 = x + o_proj(o) (the MLP's norm's input: with it the
+    backward recomputes no o_proj GEMM and no residual add, ~0.5 ms a Llama-3-8B layer at 8192
+    tokens, for 64 MB more on the link); `wide`, the indices of those a bf16 step moves in fp32
+    (lse: graphs/ops/offload.py)."""
     a = s.att
-    return [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else []), (4,)
+    return [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else []) + [s.n2[0]], (4,)
 
 
 def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
     """A recomputed layer's Saved from its input x and its attention_state, computing only what
-    they do not hold: the norms' statistics, the LoRA u of q/k/v (s h1 A^T, one thin GEMM),
-    o_proj and the MLP's gate and up (as layer_forward with c.recomputing); no q/k/v GEMM, no
-    RoPE, no attention. The same values as layer_forward's: the copies are exact."""
+    they do not hold: the norms' statistics, the LoRA u of q/k/v and o_proj (s h1 A^T, s o A^T:
+    thin GEMMs) and the MLP's gate and up (as layer_forward with c.recomputing); no q/k/v or
+    o_proj GEMM, no RoPE, no attention, no residual add. The same values as layer_forward's:
+    the copies are exact."""
     g, spec = c.g, c.spec
     B, K, G, S, Dh = c.dims
     h1, n1 = rmsnorm_forward(g, x, L.in_norm, spec.rms_eps)
@@ -239,9 +244,8 @@ def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
     sa = attention_saved(g, qr, kr, v4, att, lse, c.dims, mask=Mask(window=spec.sliding_window),
                          positions=c.positions)
     a2 = g.reshape(att, B * S, K * G * Dh)
-    o, uo = linear_forward(g, a2, L.proj["o_proj"])
-    x1 = g.op("Add", x, o)
-    h2, n2 = rmsnorm_forward(g, x1, L.post_norm, spec.rms_eps)
+    uo, = lora_inputs(g, a2, [L.proj["o_proj"]])
+    h2, n2 = rmsnorm_forward(g, state[-1], L.post_norm, spec.rms_eps)  # x1, as the forward summed it
     (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
     u = dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo)
     return Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, None, recomputed_mlp_tail(u))

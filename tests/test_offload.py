@@ -89,9 +89,9 @@ LLAMA = ModelSpec(arch="llama", vocab=101, hidden=48, layers=3, heads=6, kv_head
 @pytest.mark.parametrize("spec,seq", [(SPEC, 48), (SPEC, 13), (LLAMA, 13)])
 def test_offloaded_attention_state_computes_what_checkpointing_computes(spec, seq):
     """offload_state: the recomputed layers send q, k, v, the attention output and statistics (and
-    Qwen3's q/k before their norms) with their input, and their backward recomputes only the MLP
-    half: the same loss and gradients bit for bit (CPU), with fewer nodes (no q/k/v GEMMs, no
-    RoPE, no attention forward in the backward)."""
+    Qwen3's q/k before their norms) and the residual sum after attention with their input, and
+    their backward recomputes only the MLP half: the same loss and gradients bit for bit (CPU),
+    with fewer nodes (no q/k/v or o_proj GEMMs, no RoPE, no attention forward in the backward)."""
     from lorac.graphs.compose import offloads_state
     train = replace(TRAIN, seq=seq)
     plain = build_training_graph(spec, train)
@@ -100,9 +100,12 @@ def test_offloaded_attention_state_computes_what_checkpointing_computes(spec, se
     assert offloads_state(spec, state) and not offloads_state(spec, replace(state, offload_state=False))
     n_recomputed = spec.layers - 1
     calls = [n for n in off.graph.node if n.op_type == "Offload"]
-    assert len(calls) == n_recomputed and all(len(n.input) == (8 if spec.qk_norm else 6) for n in calls)
+    assert len(calls) == n_recomputed and all(len(n.input) == (9 if spec.qk_norm else 7) for n in calls)
     attention = lambda m: sum(n.op_type == "CausalAttention" for n in m.graph.node)
     assert attention(plain) == spec.layers + n_recomputed and attention(off) == spec.layers
+    # o_proj's frozen weight read transposed by the forward's GEMM, plus by the recompute's in plain only
+    o_fwd = lambda m: sum(n.op_type == "Transpose" and any("o_proj.weight" in i for i in n.input) for n in m.graph.node)
+    assert o_fwd(plain) == o_fwd(off) + n_recomputed
     (s1, feeds), (s2, _) = _feeds(plain, spec=spec), _feeds(off, spec=spec)
     for a, b in zip(s1.run(None, feeds), s2.run(None, feeds)):
         assert np.array_equal(a, b)
@@ -130,17 +133,17 @@ def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     # staging: two slots, shared by both directions (runtime/devices/cuda/offload.py): the input alone, or with the state
     big = replace(on, batch=4, seq=2048)
     assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
-    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
     # pinned host memory: one slot a recomputed layer but the top one (28 of the 29 recomputed with 3 kept: the
     # top slot waits in staging), in the plan's log line
     kept3 = replace(big, checkpointing=True, keep_layers=3)
     host = memory.offload_host(l8, kept3, "bfloat16")
-    assert host == 28 * 8192 * (2 * (4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert host == 28 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
     assert memory.offload_host(l8, replace(kept3, offload_state=False), "bfloat16") == 28 * 8192 * 4096 * 2
     assert memory.offload_host(l8, replace(kept3, keep_layers=31), "bfloat16") == 0
     assert memory.offload_host(l8, replace(kept3, offload=False), "bfloat16") == 0
     assert memory.describe(True, 3, 32, True, True, host).endswith(
-        "their inputs and attention state offloaded to host memory (6.6 GB pinned)")
+        "their inputs and attention state offloaded to host memory (8.5 GB pinned)")
 
 
 def test_offload_slot_layout_reads_old_and_new_manifest_entries():
@@ -165,7 +168,7 @@ def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
     N, (B, S) = TRAIN.batch * TRAIN.seq, (TRAIN.batch, TRAIN.seq)
     q, kv = [B, S, SPEC.heads, SPEC.head_dim], [B, S, SPEC.kv_heads, SPEC.head_dim]
     want = [([N, SPEC.hidden], "bfloat16"), (q, "bfloat16"), (kv, "bfloat16"), (kv, "bfloat16"), (q, "bfloat16"),
-            ([B, SPEC.heads, S, 1], "float32"), (q, "bfloat16"), (kv, "bfloat16")]
+            ([B, SPEC.heads, S, 1], "float32"), (q, "bfloat16"), (kv, "bfloat16"), ([N, SPEC.hidden], "bfloat16")]
     assert len(slots) == 3 and all([(t["shape"], t["dtype"]) for t in c["tensors"]] == want for c in slots)
     text = mod["main"].script()
     assert text.count('"lorac.attention_fwd"') == SPEC.layers  # the forward's only
@@ -173,7 +176,7 @@ def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
     # out straight from the plan's memory (core/constants.py OFFLOAD_KEEP_ALIVE)
     import re
     args = [len(a.split(",")) for a in re.findall(r'"lorac\.offload\.\d+", \(([^)]*)\)', text)]
-    assert args == [8, 16, 24] and all(c["keep_alive"] == 2 for c in slots), args
+    assert args == [9, 18, 27] and all(c["keep_alive"] == 2 for c in slots), args
     assert converters("float32")["Offload"] is not None
 
 
