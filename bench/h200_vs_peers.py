@@ -109,6 +109,10 @@ CASES = {
                                      ["fast:unsloth-4bit-gc"]),
     "8b-4x2048-nf4e-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0},
                               ["fast:unsloth-4bit-gc"]),
+    # the same keeping one layer more than auto picks for 10 GB (--keep-layers 3 --checkpointing offload)
+    "8b-4x2048-nf4e-keep3": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
+                                                               "keep_layers": 3, "offload": True},
+                             ["fast:unsloth-4bit-gc"]),
     # the same with the recomputed layers' inputs alone offloaded (--offload-state off)
     "8b-4x2048-nf4e-auto10-nostate": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4",
                                                                         "memory_budget": 10.0, "offload_state": False},

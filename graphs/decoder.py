@@ -212,19 +212,20 @@ def offload_state_bytes(spec, itemsize: int = 2) -> int:
     input first): activations in `itemsize`, the row statistics in fp32."""
     D = spec.hidden
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    return itemsize * (2 * D + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)) + 4 * spec.heads
+    return itemsize * (2 * D + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)) + 4 * (spec.heads + 2)
 
 
 def attention_state(s: Saved) -> tuple[list, tuple]:
     """(values, wide): what a recomputed layer with offload_state sends to host memory besides
     its input (in this order; layer_refill takes them back): what its attention's backward reads
-    (q, k, v, o and the row statistics lse), the q/k norms' inputs where the model has them, and
-    the residual sum after attention, x1 = x + o_proj(o) (the MLP's norm's input: with it the
+    (q, k, v, o and the row statistics lse), the q/k norms' inputs where the model has them, the
+    residual sum after attention, x1 = x + o_proj(o) (the MLP's norm's input: with it the
     backward recomputes no o_proj GEMM and no residual add, ~0.5 ms a Llama-3-8B layer at 8192
-    tokens, for 64 MB more on the link); `wide`, the indices of those a bf16 step moves in fp32
-    (lse: graphs/ops/offload.py)."""
+    tokens, for 64 MB more on the link), and the two norms' rstd (a row sum each fewer); `wide`,
+    the indices of those a bf16 step moves in fp32 (lse, the rstds: graphs/ops/offload.py)."""
     a = s.att
-    return [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else []) + [s.n2[0]], (4,)
+    values = [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else []) + [s.n2[0], s.n1[1], s.n2[1]]
+    return values, (4, len(values) - 2, len(values) - 1)
 
 
 def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
@@ -235,7 +236,9 @@ def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
     the copies are exact."""
     g, spec = c.g, c.spec
     B, K, G, S, Dh = c.dims
-    h1, n1 = rmsnorm_forward(g, x, L.in_norm, spec.rms_eps)
+    x1, rstd1, rstd2 = state[-3:]  # as the forward summed and normed them
+    n1 = (x, rstd1)
+    h1 = rmsnorm_apply(g, L.in_norm, n1)
     u_qkv = lora_inputs(g, h1, [L.proj[t] for t in QKV])
     qr, kr, v4, att, lse = state[:5]
     nq = nk = None
@@ -245,7 +248,8 @@ def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
                          positions=c.positions)
     a2 = g.reshape(att, B * S, K * G * Dh)
     uo, = lora_inputs(g, a2, [L.proj["o_proj"]])
-    h2, n2 = rmsnorm_forward(g, state[-1], L.post_norm, spec.rms_eps)  # x1, as the forward summed it
+    n2 = (x1, rstd2)
+    h2 = rmsnorm_apply(g, L.post_norm, n2)
     (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
     u = dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo)
     return Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, None, recomputed_mlp_tail(u))

@@ -100,7 +100,7 @@ def test_offloaded_attention_state_computes_what_checkpointing_computes(spec, se
     assert offloads_state(spec, state) and not offloads_state(spec, replace(state, offload_state=False))
     n_recomputed = spec.layers - 1
     calls = [n for n in off.graph.node if n.op_type == "Offload"]
-    assert len(calls) == n_recomputed and all(len(n.input) == (9 if spec.qk_norm else 7) for n in calls)
+    assert len(calls) == n_recomputed and all(len(n.input) == (11 if spec.qk_norm else 9) for n in calls)
     attention = lambda m: sum(n.op_type == "CausalAttention" for n in m.graph.node)
     assert attention(plain) == spec.layers + n_recomputed and attention(off) == spec.layers
     # o_proj's frozen weight read transposed by the forward's GEMM, plus by the recompute's in plain only
@@ -133,12 +133,12 @@ def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     # staging: two slots, shared by both directions (runtime/devices/cuda/offload.py): the input alone, or with the state
     big = replace(on, batch=4, seq=2048)
     assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
-    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 34)
     # pinned host memory: one slot a recomputed layer but the top one (28 of the 29 recomputed with 3 kept: the
     # top slot waits in staging), in the plan's log line
     kept3 = replace(big, checkpointing=True, keep_layers=3)
     host = memory.offload_host(l8, kept3, "bfloat16")
-    assert host == 28 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 32)
+    assert host == 28 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 34)
     assert memory.offload_host(l8, replace(kept3, offload_state=False), "bfloat16") == 28 * 8192 * 4096 * 2
     assert memory.offload_host(l8, replace(kept3, keep_layers=31), "bfloat16") == 0
     assert memory.offload_host(l8, replace(kept3, offload=False), "bfloat16") == 0
@@ -168,7 +168,8 @@ def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
     N, (B, S) = TRAIN.batch * TRAIN.seq, (TRAIN.batch, TRAIN.seq)
     q, kv = [B, S, SPEC.heads, SPEC.head_dim], [B, S, SPEC.kv_heads, SPEC.head_dim]
     want = [([N, SPEC.hidden], "bfloat16"), (q, "bfloat16"), (kv, "bfloat16"), (kv, "bfloat16"), (q, "bfloat16"),
-            ([B, SPEC.heads, S, 1], "float32"), (q, "bfloat16"), (kv, "bfloat16"), ([N, SPEC.hidden], "bfloat16")]
+            ([B, SPEC.heads, S, 1], "float32"), (q, "bfloat16"), (kv, "bfloat16"), ([N, SPEC.hidden], "bfloat16"),
+            ([N, 1], "float32"), ([N, 1], "float32")]
     assert len(slots) == 3 and all([(t["shape"], t["dtype"]) for t in c["tensors"]] == want for c in slots)
     text = mod["main"].script()
     assert text.count('"lorac.attention_fwd"') == SPEC.layers  # the forward's only
@@ -176,7 +177,7 @@ def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
     # out straight from the plan's memory (core/constants.py OFFLOAD_KEEP_ALIVE)
     import re
     args = [len(a.split(",")) for a in re.findall(r'"lorac\.offload\.\d+", \(([^)]*)\)', text)]
-    assert args == [9, 18, 27] and all(c["keep_alive"] == 2 for c in slots), args
+    assert args == [11, 22, 33] and all(c["keep_alive"] == 2 for c in slots), args
     assert converters("float32")["Offload"] is not None
 
 
