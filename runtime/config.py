@@ -115,8 +115,9 @@ class TrainConfig:
                                  "or not) whose estimated memory fits the GPU's free memory or --memory-budget; off "
                                  "elsewhere (docs/RUNTIME.md)", bare="on")
     offload_state: str = setting(OFFLOAD_STATE_DEFAULT, "with offloaded checkpointing (cuda), the recomputed layers' "
-                                 "attention state (q, k, v, its output and statistics) waits in host memory too, so "
-                                 "their backward recomputes only the MLP half: on, off, or auto (where the host link "
+                                 "attention state (q, k, v, its output and statistics, the residual sum after it, the norms' "
+                                 "rstd) waits in host memory too, so their backward recomputes only the MLP's gate and "
+                                 "up: on, off, or auto (where the host link "
                                  "keeps up with the forward: Llama-3-8B shapes and larger; docs/GRAPHS.md)")
     keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
                                "(faster, more memory); given alone, turns checkpointing on")
