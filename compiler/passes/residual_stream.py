@@ -13,14 +13,15 @@ Which adds: an fp32 `R.add` of two operands of one static shape (no broadcast: n
 where one operand is a stream value, i.e. a bf16 value widened (a bf16 GEMM's output, the
 embedding rows; also through a reshape or a product with a scalar: Gemma's embedding scale)
 or a sum this pass already narrows; the other operand may be anything (Gemma 2 adds a norm's
-output). The gradient
-stream never matches: its sums add fp32 results of the norms' backward kernels.
+output). The gradient stream's sums, which add fp32 results of the norms' backward kernels,
+are narrowed by their own rule (gradient_sums).
 
-With them go the values read only in bf16 anyway (read_narrow): the embedding rows, the
-final norm's output, each LoRA projection's s x A^T.
+With them go the values read only in bf16 anyway (read_narrow): every widening of a bf16
+value, the final norm's output, each LoRA projection's s x A^T.
 
 A family whose reference keeps the residual in fp32 (HF Mamba's `residual_in_fp32`) says so
-in its graph's metadata (graphs/compose.RESIDUAL_KEY), and nothing is narrowed there.
+in its graph's metadata (graphs/compose.RESIDUAL_KEY), and nothing is narrowed there, the
+gradient stream included.
 """
 from __future__ import annotations
 
