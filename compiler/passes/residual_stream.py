@@ -39,7 +39,6 @@ _ADD = tvm.ir.Op.get("relax.add")
 _ASTYPE = tvm.ir.Op.get("relax.astype")
 _RESHAPE = tvm.ir.Op.get("relax.reshape")
 _MULTIPLY = tvm.ir.Op.get("relax.multiply")
-_TAKE = tvm.ir.Op.get("relax.take")
 _VIEWS = (_RESHAPE, tvm.ir.Op.get("relax.strided_slice"))
 
 
