@@ -1,8 +1,8 @@
 """Lookups into small constant tables fused with what feeds and reads them.
 
 A quantized weight is dequantized through gathers into tables of a few hundred values: NF4's
-256 code pairs indexed by the packed bytes (graphs/ops/quant.py nf4_codes), the double-quantized
-absmax's 256-entry code, GGUF's 64 powers of two. TVM's AnnotateTIROpPattern marks every
+16 codes indexed by the packed bytes' nibbles (graphs/ops/quant.py nf4_codes), the
+double-quantized absmax's 256-entry code, GGUF's 64 powers of two. TVM's AnnotateTIROpPattern marks every
 legalized `take` opaque (its read address depends on a loaded value), so FuseOps leaves each
 one a kernel of its own: the bytes widened to int32 in one kernel, the gather writing fp32
 pairs in a second, the scale and the cast to bf16 in a third. At a Llama-3-8B projection that
@@ -26,7 +26,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .rewrite import rewrite_functions
 
-LOOKUP_MAX = 4096  # values in a table whose lookups fuse (NF4 pairs: 512, GGUF's powers of two: 64)
+LOOKUP_MAX = 4096  # values in a table whose lookups fuse (NF4 codes: 16, nested absmax code: 256, GGUF powers of two: 64)
 _INJECTIVE = 2     # tvm::relax::OpPatternKind::kInjective
 _OPAQUE = 8
 
