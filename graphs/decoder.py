@@ -224,7 +224,8 @@ def attention_state(s: Saved) -> tuple[list, tuple]:
     tokens, for 64 MB more on the link), and the two norms' rstd (a row sum each fewer); `wide`,
     the indices of those a bf16 step moves in fp32 (lse, the rstds: graphs/ops/offload.py)."""
     a = s.att
-    values = [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else []) + [s.n2[0], s.n1[1], s.n2[1]]
+    values = [a.q, a.k, a.v, a.o, a.lse] + ([s.nq[0], s.nk[0]] if s.nq is not None else [])
+    values += [s.n2[0], s.n1[1], s.n2[1]]  # x1, rstd of the attention's norm, rstd of the MLP's
     return values, (4, len(values) - 2, len(values) - 1)
 
 

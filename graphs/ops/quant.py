@@ -223,7 +223,7 @@ def nf4_dense(g, q: Quant, v: dict, out: int, inp: int):
             scale = g.slice(scale, 0, nb, 0)
         nested = g.op("Gather", v["absmax_code"], g.op("Cast", v["absmax_q"], to=I32))
         # bitsandbytes rounds the product and the sum apart (dequantize_blockwise, then += offset):
-        # a max with the lowest float between them (the product unchanged: finite) keeps any
+        # a clip at the lowest float between them (a max; the product unchanged: finite) keeps any
         # compiler from contracting the two into one FMA, and, unlike a kernel boundary, lets the
         # nested lookup fuse into the dequantizing kernel (four small kernels fewer a read)
         prod = g.op("Clip", g.op("Mul", nested, scale), g.const(np.float32(np.finfo(np.float32).min)))
