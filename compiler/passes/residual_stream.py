@@ -61,20 +61,24 @@ def _is_stream(e, values: dict, narrowed: set, dtype: str) -> bool:
     return e.op == _ASTYPE and str(e.args[0].ty.dtype) == dtype
 
 
+def _fp32_sum(b) -> bool:
+    """Whether binding b is a dataflow var's fp32 `R.add` of two operands of one static shape of
+    rank >= 2 (no broadcast: not a bias): what residual_sums and gradient_sums choose among."""
+    v = b.value
+    if not (isinstance(b.var, relax.DataflowVar) and isinstance(v, relax.Call) and v.op == _ADD
+            and isinstance(b.var.ty, relax.TensorType) and str(b.var.ty.dtype) == "float32"):
+        return False
+    shapes = [_static_shape(a.ty) for a in v.args]
+    return shapes[0] is not None and shapes[0] == shapes[1] and len(shapes[0]) >= 2
+
+
 def residual_sums(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
     """The dataflow vars of `mod` bound to a residual sum (the module docstring's rule)."""
     narrowed: set = set()
     for block in dataflow_blocks(mod):
         values = {b.var: b.value for b in block.bindings}
         for b in block.bindings:
-            v = b.value
-            if not (isinstance(b.var, relax.DataflowVar) and isinstance(v, relax.Call) and v.op == _ADD
-                    and isinstance(b.var.ty, relax.TensorType) and str(b.var.ty.dtype) == "float32"):
-                continue
-            shapes = [_static_shape(a.ty) for a in v.args]
-            if shapes[0] is None or shapes[0] != shapes[1] or len(shapes[0]) < 2:
-                continue
-            if any(_is_stream(a, values, narrowed, dtype) for a in v.args):
+            if _fp32_sum(b) and any(_is_stream(a, values, narrowed, dtype) for a in b.value.args):
                 narrowed.add(b.var)
     return narrowed
 
@@ -93,14 +97,8 @@ def gradient_sums(mod: tvm.IRModule, dtype: str = "bfloat16") -> set:
         values = {b.var: b.value for b in block.bindings}
         users = relax.analysis.udchain(block)
         for b in block.bindings:
-            v = b.value
-            if not (isinstance(b.var, relax.DataflowVar) and isinstance(v, relax.Call) and v.op == _ADD
-                    and isinstance(b.var.ty, relax.TensorType) and str(b.var.ty.dtype) == "float32"):
-                continue
-            shapes = [_static_shape(a.ty) for a in v.args]
-            if shapes[0] is None or shapes[0] != shapes[1] or len(shapes[0]) < 2:
-                continue
-            if any(str(a.ty.dtype) != "float32" or _is_stream(a, values, set(), dtype) for a in v.args):
+            if not _fp32_sum(b) or any(str(a.ty.dtype) != "float32" or _is_stream(a, values, set(), dtype)
+                                       for a in b.value.args):
                 continue
             narrows = [isinstance(values.get(u), relax.Call) and values[u].op == _ASTYPE
                        and str(values[u].attrs.dtype) == dtype for u in users.get(b.var, ())]
