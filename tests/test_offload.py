@@ -130,10 +130,11 @@ def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     assert offloads_state(l8, on) and offloads_state(l70, on)
     assert not offloads_state(q06, on) and not offloads_state(SPEC, on)
     assert not offloads_state(l8, replace(on, offload=False))
-    # staging: two slots, shared by both directions (runtime/devices/cuda/offload.py): the input alone, or with the state
+    # two staging slots, shared by both directions, and the slot fetched ahead (runtime/devices/cuda/offload.py):
+    # the input alone, or with the state
     big = replace(on, batch=4, seq=2048)
-    assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 2 * 8192 * 4096 * 2
-    assert memory.offload_staging(l8, big, "bfloat16") == 2 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 34)
+    assert memory.offload_staging(l8, replace(big, offload_state=False), "bfloat16") == 3 * 8192 * 4096 * 2
+    assert memory.offload_staging(l8, big, "bfloat16") == 3 * 8192 * (2 * (2 * 4096 + 2 * 4096 + 2 * 1024) + 4 * 34)
     # pinned host memory: one slot a recomputed layer but the top one (28 of the 29 recomputed with 3 kept: the
     # top slot waits in staging), in the plan's log line
     kept3 = replace(big, checkpointing=True, keep_layers=3)
@@ -178,6 +179,12 @@ def test_cuda_build_moves_the_attention_state_and_skips_its_recompute(tmp_path):
     import re
     args = [len(a.split(",")) for a in re.findall(r'"lorac\.offload\.\d+", \(([^)]*)\)', text)]
     assert args == [11, 22, 33] and all(c["keep_alive"] == 2 for c in slots), args
+    # fetched one call ahead: the top slot's call (2) outputs its values and slot 1's tensors, slot 1's
+    # call takes those and outputs slot 0's, slot 0's takes those and outputs its values (the last call)
+    fetches = re.findall(r'"lorac\.fetch\.(\d+)", \(([^)]*)\), out_ty=\[?((?:R\.Tensor\([^)]*\), dtype="\w+"\)(?:, )?)+)', text)
+    shape = [(int(slot), len([a for a in ins.split(",") if a.strip()]), out.count("R.Tensor")) for slot, ins, out in fetches]
+    n = len(want)
+    assert shape == [(2, 1, 2 * n), (1, 1 + n, n), (0, 1 + n, n)] and all(c["fetch_ahead"] for c in slots), shape
     assert converters("float32")["Offload"] is not None
 
 
@@ -251,15 +258,18 @@ class _Tensor:
         return self.a.ctypes.data
 
 
-@pytest.mark.parametrize("keep", [2, 0])
-def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch, keep):
+@pytest.mark.parametrize("keep,ahead", [(2, True), (2, False), (0, False)])
+def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch, keep, ahead):
     """Several values a slot (the attention state: bf16 activations, fp32 statistics, odd sizes):
     each comes back from host memory into its own output, over a step's order (offloads
     ascending, fetches descending, one fetch ahead) and a second step through the same staging.
     keep=2 (core/constants.py OFFLOAD_KEEP_ALIVE): each call also holds the two slots before it, and
     the plan reuses a slot's memory once the call two later has run; all but the top three slots
     go to the host straight from their values. keep=0 (older artifacts): every slot through staging,
-    its memory reused at once."""
+    its memory reused at once. ahead (compiler/units/offload.py fetch_ahead): each fetch call takes
+    its slot's tensors from the call before and outputs the next slot's, which the host's copy fills
+    directly; the plan may reuse no memory a live tensor holds, so each slot's tensors are fresh
+    (zeros) until that copy; the top and lowest slots' calls output their values too."""
     from lorac.runtime.devices.cuda import offload as rt
     cuda = _HostCuda()
     monkeypatch.setattr(rt, "_rt", cuda)
@@ -269,7 +279,7 @@ def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch, keep)
     slots = [0, 1, 2, 4, 5, 7]
     manifest = type("M", (), {"unit_calls": [
         {"function": rt.OFFLOAD, "slot": s, "tensors": [{"shape": sh, "dtype": d} for sh, d, _ in shapes],
-         **({"keep_alive": keep} if keep else {})} for s in slots]})()
+         **({"keep_alive": keep} if keep else {}), **({"fetch_ahead": True} if ahead else {})} for s in slots]})()
     rt.prepare(manifest)
     # staging: two buffers, shared by both directions, each the size of the biggest slot (what memory.offload_staging counts)
     assert rt._state["staging_bytes"] == rt.slot_layout(manifest.unit_calls[0])[1]
@@ -287,19 +297,31 @@ def test_offload_runtime_moves_each_slots_values_out_and_back(monkeypatch, keep)
                 x.a[...] = 0                                          # no call holds any more
         for x in (x for values_of in sent for x in values_of):  # and after the forward, all of it
             x.a[...] = 0
-        for s in reversed(slots):
-            outs = [_Tensor(np.zeros_like(v)) for v in values[s]]
-            rt._fetcher(s)(None, *outs)
-            for o, v in zip(outs, values[s]):
+        held = []
+        for j, s in enumerate(reversed(slots)):
+            fresh = lambda slot: [_Tensor(np.zeros_like(v)) for v in values[slot]]
+            nxt = slots[-2 - j] if j + 1 < len(slots) else None
+            if not ahead:
+                outs = fresh(s)
+                rt._fetcher(s)(None, *outs)
+                got = outs
+            else:
+                own = fresh(s) if j == 0 or nxt is None else []
+                dests = fresh(nxt) if nxt is not None else []
+                rt._fetcher(s)(None, *held, *own, *dests)
+                got, held = own or held, dests
+            for o, v in zip(got, values[s]):
                 assert np.array_equal(o.a, v), (step, s)
     # a slot's values: out to the host and back but the top slot's, which wait in staging; through staging
     # each value its own copy in and one copy of the slot out; straight out, each value its own copy
     n, direct = len(shapes), (len(slots) - rt.DIRECT_BEFORE_TOP if keep else 0)
     staged = len(slots) - direct
     assert cuda.copies.count(rt._D2H) == 2 * (direct * n + staged - 1)
-    assert cuda.copies.count(rt._H2D) == 2 * (len(slots) - 1)
     assert rt._state[7]["host"] is None and all(rt._state[s]["host"] for s in slots[:-1])
-    assert cuda.copies.count(rt._D2D) == 2 * (staged + len(slots)) * n
+    # back: through staging, each value its own copy out of it; ahead, straight into the tensors
+    # but the top slot's (from staging) and the lowest one's (to its own outputs)
+    assert cuda.copies.count(rt._H2D) == 2 * (len(slots) - 1) * (n if ahead else 1)
+    assert cuda.copies.count(rt._D2D) == 2 * (staged + (2 if ahead else len(slots))) * n
 
 
 def test_offload_runtime_refuses_more_pinned_memory_than_the_host_has(monkeypatch):

@@ -1,12 +1,17 @@
 """The activation-offload units on CUDA (graphs/ops/offload.py): copies to and from host memory.
 
     Offload(x1..xn) -> tokens     lorac.offload.<slot>(x1..xn, token)   out to pinned host memory
-    Fetch(tokens) -> x1'..xn'     lorac.fetch.<slot>(token, x1'..xn')   back, before the recompute
+    Fetch(tokens) -> x1'..xn'     lorac.fetch.<slot>(token, x1..xn, y1'..ym')   back, before the recompute
 
 The token is one [1] int32 tensor (every output of Offload is it). Each Offload call also takes
 the values of the two slots offloaded before it, unread: the plan keeps a slot's storage until
 two calls later, so the runtime copies it to the host straight from there, and the call that
-lets it go first waits for that copy. Each slot (a layer)
+lets it go first waits for that copy. Each Fetch call takes its slot's tensors, which the call
+before it output (the plan holds them from there), and outputs the next slot's (y1'..ym'; the
+top slot's call its own values first, the lowest slot's a token instead): the runtime copies
+each slot from the host straight into them one fetch ahead, and a call only waits for its own;
+the top slot's call and the lowest one's output their own values too, copied on the device
+(manifest `fetch_ahead`). Each slot (a layer)
 has functions of its own name, so the runtime knows the slot without a scalar argument (a
 host-side function per call in TVM's VM). In bf16 builds the copies move activations in bf16
 (how the step stores them: the residual stream, compiler/passes/residual_stream.py; GEMM
@@ -62,7 +67,7 @@ def converters(dtype: str, cache=None) -> dict:
             moved.append(x)
             entries.append((_shape(x), source, str(x.ty.dtype)))
         slots[slot] = entries
-        calls.append({"function": OFFLOAD, "slot": slot, "keep_alive": KEEP_ALIVE,
+        calls.append({"function": OFFLOAD, "slot": slot, "keep_alive": KEEP_ALIVE, "fetch_ahead": True,
                       "tensors": [{"shape": s, "dtype": d} for s, _, d in entries]})
         # the two slots before this one ride along unread: their values stay alive (the plan keeps
         # their memory) until the runtime has copied them out straight from where they are
@@ -71,12 +76,28 @@ def converters(dtype: str, cache=None) -> dict:
         token = bb.emit(relax.call_dps_packed(f"{OFFLOAD}.{slot}", moved + keep, TOKEN))
         return token if len(inputs) == 1 else relax.Tuple([token] * len(inputs))
 
+    ahead: dict = {}  # slot -> its values' tensors, outputs of the fetch call before it
+
     def fetch(bb, inputs, attrs, _params):
+        # fetched one call ahead: each call outputs the next slot's tensors (the plan allocates them
+        # there) and the runtime copies that slot from the host straight into them, so the call that
+        # takes them (this slot's) only waits. The first call (the top slot, whose values wait in
+        # staging) and the last (which would output nothing another call reads, and so be dropped)
+        # output their own values too: copies on the device, the top slot's from staging
         slot = int(attrs["slot"])
         entries = slots[slot]
-        types = [relax.TensorType(s, d) for s, _, d in entries]
-        out = bb.emit(relax.call_dps_packed(f"{FETCH}.{slot}", [inputs[0]], types if len(types) > 1 else types[0]))
-        values = [out] if len(types) == 1 else [bb.emit(relax.TupleGetItem(out, i)) for i in range(len(types))]
+        lower = [s for s in slots if s < slot]
+        nxt = max(lower) if lower else None
+        held = ahead.pop(slot, [])
+        own = not held or nxt is None
+        types = [relax.TensorType(s, d) for s, _, d in entries] if own else []
+        types += [relax.TensorType(s, d) for s, _, d in slots[nxt]] if nxt is not None else []
+        out = bb.emit(relax.call_dps_packed(f"{FETCH}.{slot}", [inputs[0], *held],
+                                            types if len(types) > 1 else types[0]))
+        items = [out] if len(types) == 1 else [bb.emit(relax.TupleGetItem(out, i)) for i in range(len(types))]
+        values = items[:len(entries)] if own else held
+        if nxt is not None:
+            ahead[nxt] = items[len(entries):] if own else items
         values = [cache.widen(bb, v) if d != source else v for v, (_, source, d) in zip(values, entries)]
         return values[0] if len(values) == 1 else relax.Tuple(values)
 

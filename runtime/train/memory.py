@@ -190,12 +190,12 @@ def offload_host(spec, train, dtype: str) -> int:
 
 
 def offload_staging(spec, train, dtype: str) -> int:
-    """The device buffers offloaded values pass through: two of a layer's slot (both directions
-    share them), its input or with the attention state its TrainSpec.offload_state values
-    (runtime/devices/cuda/offload.py)."""
+    """The device memory offloaded values pass through: two staging buffers of a layer's slot (its
+    input or with the attention state its TrainSpec.offload_state values), and the slot fetched one
+    call ahead, which the plan holds beside the layer being recomputed (runtime/devices/cuda/offload.py)."""
     if not getattr(train, "offload", False):
         return 0
-    return 2 * train.batch * train.seq * _slot_token_bytes(spec, train, dtype)
+    return 3 * train.batch * train.seq * _slot_token_bytes(spec, train, dtype)
 
 
 def settings(n_trained: int, offload: bool = False):

@@ -11,10 +11,15 @@ slot (a layer), registered here when the artifact loads (compiler/units/offload.
                                          through a device staging buffer instead (copies on TVM's
                                          stream, then one copy to the host on the side stream).
                                          The PCIe copies overlap the forward
-    lorac.fetch.<slot>(token, o1..on)    the slot's host buffer -> device staging on the side
-                                         stream (issued one fetch ahead: the next slot's copy
-                                         overlaps this layer's backward), then each place -> its
-                                         output on TVM's stream
+    lorac.fetch.<slot>(token, x1..xn, y1..ym)  x: this slot's tensors, filled from its host buffer
+                                         on the side stream by the call before (issued one fetch
+                                         ahead: the copy overlaps the layer above's backward);
+                                         the call waits for that copy and issues the next slot's
+                                         into y, that slot's tensors, output here. The top slot's
+                                         call (no x) and the lowest one's also output the slot's
+                                         values, copied from staging / from x on TVM's stream.
+                                         (Older artifacts: the host buffer -> staging one fetch
+                                         ahead, then each place -> its output on TVM's stream.)
 
 Staging is two device buffers; the i-th slot of the step (ascending) uses buffer i % 2 for its
 copy back and, if it is one of the top three, for its copy out before that: the side stream runs
@@ -136,6 +141,8 @@ def prepare(manifest) -> None:
     _state["order"] = sorted(need)
     # artifacts whose offload calls hold the two slots before them (compiler/units/offload.py)
     _state["direct"] = all(int(c.get("keep_alive", 0)) == KEEP_ALIVE for c in calls)
+    # and whose fetch calls take their slot's tensors from the call before and output the next's
+    _state["ahead"] = all(c.get("fetch_ahead") for c in calls)
 
 
 HOST_SHARE = 0.9  # of the host's available memory the pinned buffers may take (pinned pages never swap)
@@ -207,8 +214,38 @@ def _start_fetch(slot: int, k: int, main) -> None:
     _check(_rt.cudaEventRecord(s["back_ready"][k], s["side"]), "cudaEventRecord")
 
 
+def _fetch_ahead(slot: int, args: tuple) -> None:
+    """A fetch call of an artifact that fetches one call ahead (compiler/units/offload.py): `args`
+    are this slot's tensors, filled by the copy the call before issued (none for the top slot,
+    whose values wait in staging), its own outputs (the top and the lowest slot only), then the
+    next slot's tensors, which the host's copy fills straight from its pinned buffer on the side
+    stream while this slot is recomputed."""
+    s, order = _state, _state["order"]
+    i = order.index(slot)
+    top, n = i == len(order) - 1, len(s[slot]["places"])
+    held = () if top else args[:n]
+    args = args[len(held):]
+    own = args[:n] if top or i == 0 else ()
+    dests = args[len(own):]
+    main = _get_stream(2, args[0].device.index)
+    if held:  # its copy from the host, issued one call ago, must be done
+        _check(_rt.cudaStreamWaitEvent(main, s["back_ready"][i % 2], 0), "cudaStreamWaitEvent")
+    for out, x, (at, nbytes) in zip(own, held or [None] * n, s[slot]["places"]):
+        src = x.data_ptr() if x is not None else s["staging"][i % 2] + at
+        _copy(out.data_ptr(), src, nbytes, _D2D, main)
+    if i > 0:  # the next slot straight into its tensors, after every earlier use of their memory
+        k, nxt = (i - 1) % 2, order[i - 1]
+        _check(_rt.cudaEventRecord(s["back_done"][k], main), "cudaEventRecord")
+        _check(_rt.cudaStreamWaitEvent(s["side"], s["back_done"][k], 0), "cudaStreamWaitEvent")
+        for out, (at, nbytes) in zip(dests, s[nxt]["places"]):
+            _copy(out.data_ptr(), s[nxt]["host"] + at, nbytes, _H2D, s["side"])
+        _check(_rt.cudaEventRecord(s["back_ready"][k], s["side"]), "cudaEventRecord")
+
+
 def _fetcher(slot: int):
     def fetch(token, *outs) -> None:
+        if _state["ahead"]:
+            return _fetch_ahead(slot, outs)
         s, order = _state, _state["order"]
         i = order.index(slot)  # the backward fetches from the top slot (i = n - 1) down
         main = _get_stream(2, outs[0].device.index)
