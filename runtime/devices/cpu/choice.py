@@ -11,13 +11,13 @@ by size), so CPU time ranks them as wall time would on a quiet host. The choices
 and, once an artifact cache is known (`set_file`), in its .lorac-tuning/cpu-gemm.json:
 {"<library names and versions; threads>": {shape key: "library/split"}}, one section per set
 of libraries and thread count (a run restricted to one library, or with other threads, keeps
-its own choices beside the others; the file is runtime/devices/choices.py's).
+its own choices beside the others; the file is runtime/devices/_choices.py's).
 """
 from __future__ import annotations
 
 import time
 
-from ..choices import Choices
+from .._choices import Choices
 
 ROUNDS, QUICK_ROUNDS, QUICK_S = 3, 7, 0.02
 FILE = "cpu-gemm.json"

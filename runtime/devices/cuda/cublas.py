@@ -29,7 +29,7 @@ import os
 import sys
 
 from ...errors import LoracError
-from ..choices import Choices
+from .._choices import Choices
 
 _OP_N, _OP_T = 0, 1
 _R_32F, _R_16BF = 0, 14  # cudaDataType
