@@ -40,7 +40,8 @@ def timed(fn, reps: int = 20, warm: int = 3) -> float:
 
 def main(cache: str, case: str, candidates: int = 8) -> None:
     import lorac.runtime.devices.cuda as cuda_dev
-    from lorac.runtime.devices.cuda import cublas, cublaslt
+    import cublaslt
+    from lorac.runtime.devices.cuda import cublas
 
     pin_source(cache)
     calls: Counter = Counter()

@@ -32,7 +32,7 @@ TESTS = REPO / "tests"
 LORAC = [sys.executable, "-m", "lorac.runtime.cli"]  # the `lorac` command, in this interpreter
 
 UNIT = {
-    "test_cache_keys.py", "test_chat_template.py", "test_cpu_blas.py", "test_cpu_schedule.py", "test_cuda_gemm_choice.py", "test_data_formats.py",
+    "test_cache_keys.py", "test_chat_template.py", "test_cpu_blas.py", "test_cpu_schedule.py", "test_data_formats.py",
     "test_defaults.py", "test_embeddings_quant.py", "test_fuzz.py", "test_fuzz_bytes.py", "test_gguf_spm.py",
     "test_graph_errors.py", "test_kquants.py", "test_layers.py", "test_ort_webgpu.py", "test_packed_documents.py",
     "test_portability.py", "test_quant_formats.py", "test_tiers.py", "test_train_cleanup.py", "test_units.py",

@@ -186,7 +186,6 @@ def _fake_gemm_strided_batched(h, ta, tb, m, n, k, alpha, A, at, lda, sA, B, bt,
 @pytest.mark.parametrize("batch_a,batch_b", [((), ()), ((2, 3), (2, 3)), ((2, 3), ())])
 def test_cublas_mapping(monkeypatch, ta, tb, batch_a, batch_b):
     from lorac.runtime.devices.cuda import cublas as gemm_cuda
-    monkeypatch.setenv("LORAC_CUDA_GEMM", "default")  # cuBLAS's own algorithm: nothing timed
     monkeypatch.setattr(gemm_cuda, "_fn", _fake_gemm_strided_batched)
     monkeypatch.setattr(gemm_cuda, "_handle", ctypes.c_void_p(1))
     monkeypatch.setattr(gemm_cuda, "_get_stream", lambda device_type, device_id: None)

@@ -65,7 +65,7 @@ def test_gemm_entry_chooses_once_and_accumulates(tmp_path):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
     blas.gemm(False, True, a, b, out, accumulate=True)
     np.testing.assert_allclose(out, 2 * want, rtol=1e-4, atol=2e-4)
-    saved = json.loads((tmp_path / choice.FILE).read_text())[choice.libraries()]
+    saved = json.loads((tmp_path / choice.FILE).read_text())[choice._libraries]
     key = blas.shape_key(False, True, a.shape, b.shape, False)
     assert saved[key] == "/".join(choice.get(key)) and key + " +=" in saved
     lib, mode = choice.get(key)
@@ -78,12 +78,12 @@ def test_choice_file_is_read_back_per_set_of_libraries(tmp_path):
             "print(choice.get('nn 9x9 9x9'))")
     blas._setup()
     lib = next(iter(blas._libs))
-    (tmp_path / choice.FILE).write_text(json.dumps({choice.libraries(): {"nn 9x9 9x9": f"{lib}/cols"},
+    (tmp_path / choice.FILE).write_text(json.dumps({choice._libraries: {"nn 9x9 9x9": f"{lib}/cols"},
                                                     "another BLAS; threads=2": {"nn 9x9 9x9": "x/y"}}))
     run = lambda: subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                                  check=True).stdout.strip()
     assert run() == str((lib, "cols"))
-    (tmp_path / choice.FILE).write_text(json.dumps({choice.libraries(): {"nn 9x9 9x9": "nolib/cols"}}))
+    (tmp_path / choice.FILE).write_text(json.dumps({choice._libraries: {"nn 9x9 9x9": "nolib/cols"}}))
     assert run() == "None"  # a library this process does not have: timed anew
     (tmp_path / choice.FILE).write_text(json.dumps({"another BLAS; threads=2": {"nn 9x9 9x9": "x/y"}}))
     assert run() == "None"

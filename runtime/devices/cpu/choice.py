@@ -11,42 +11,62 @@ by size), so CPU time ranks them as wall time would on a quiet host. The choices
 and, once an artifact cache is known (`set_file`), in its .lorac-tuning/cpu-gemm.json:
 {"<library names and versions; threads>": {shape key: "library/split"}}, one section per set
 of libraries and thread count (a run restricted to one library, or with other threads, keeps
-its own choices beside the others; the file is runtime/devices/_choices.py's).
+its own choices beside the others).
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
-from .._choices import Choices
+from lorac.core import atomic
 
 ROUNDS, QUICK_ROUNDS, QUICK_S = 3, 7, 0.02
 FILE = "cpu-gemm.json"
 SPLITS = ("whole", "rows", "cols")
-
-
-def _decode(text: str):
-    parts = text.split("/")
-    if len(parts) == 2 and f"{parts[0]}=" in _store.section and parts[1] in SPLITS:
-        return parts[0], parts[1]
-    return None  # not ours: timed anew
-
-
-_store = Choices(FILE, encode="/".join, decode=_decode)
-get, remember = _store.get, _store.remember
+_libraries = ""
+_choices: dict[str, tuple[str, str]] = {}
+_file: Path | None = None
+_timed: set[str] = set()  # the keys whose choice was timed (or read): the ones the file keeps
 
 
 def configure(libraries: str) -> None:
-    _store.configure(libraries)
+    global _libraries
+    _libraries = libraries
+    _choices.clear()
+    _timed.clear()
 
 
 def set_file(folder) -> None:
     """Read and from now on write the choices of `folder`/cpu-gemm.json."""
-    _store.set_file(folder)
+    global _file
+    path = Path(folder) / FILE
+    if path == _file:
+        return
+    _file = path
+    for key, plan in _read(path).get(_libraries, {}).items():
+        parts = str(plan).split("/")
+        if len(parts) == 2 and f"{parts[0]}=" in _libraries and parts[1] in SPLITS:  # else: not ours, timed anew
+            _choices.setdefault(key, (parts[0], parts[1]))
+            _timed.add(key)
 
 
-def libraries() -> str:
-    """The section of the file this process's choices live in: libraries, versions, threads."""
-    return _store.section
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+
+
+def get(key: str):
+    return _choices.get(key)
+
+
+def remember(key: str, plan: tuple[str, str]) -> tuple[str, str]:
+    """The only candidate of `key` (kept in memory, not timed, not written)."""
+    _choices[key] = plan
+    return plan
 
 
 def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
@@ -71,8 +91,24 @@ def pick(key: str, candidates: list, run, keep=None) -> tuple[str, str]:
             best[c] = min(best.get(c, float("inf")), time.process_time() - t)
     if saved is not None:
         keep[...] = saved
-    return _store.keep(key, min(best, key=best.get))
+    plan = min(best, key=best.get)
+    _choices[key] = plan
+    _timed.add(key)
+    _save()
+    return plan
+
+
+def _save() -> None:
+    if _file is None:
+        return
+    data = _read(_file)
+    data[_libraries] = {k: "/".join(v) for k, v in sorted(_choices.items()) if k in _timed}
+    try:
+        _file.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(_file, json.dumps(data, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only cache: the choices stay in this process
 
 
 def choices() -> dict[str, str]:
-    return {k: "/".join(v) for k, v in _store.values.items()}
+    return {k: "/".join(v) for k, v in _choices.items()}

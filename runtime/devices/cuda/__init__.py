@@ -52,11 +52,6 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     dev = tvm.cuda(int(os.environ.get(WORKER_DEVICE, "0")))  # a data-parallel worker's GPU (select)
     if not dev.exist:
         raise LoracError("device cuda requested but no CUDA GPU is visible")
-    from pathlib import Path
-
-    from . import cublas
-    # each GEMM shape's cuBLAS algorithm, timed once on this GPU, kept beside the artifacts
-    cublas.use_cache_dir(Path(art_dir).parent / ".lorac-tuning", dev.device_name)
     calls = {c.get("function") for c in manifest.unit_calls}
     from . import attention as attention_cuda
     from . import offload

@@ -1,20 +1,17 @@
-"""cuBLASLt for the GEMMs of runtime/devices/cuda/cublas.py: the same column-major call,
-described once per shape, with the algorithm chosen by timing the heuristic's candidates.
-
-cuBLAS's cublasGemmStridedBatchedEx takes the heuristic's first algorithm for a shape. The
-heuristic ranks by a model of the GPU, and on the step's shapes its first pick is not always
-the fastest; cublasLtMatmulAlgoGetHeuristic lists the others, each runnable with the same
-descriptors. `Shape` holds a GEMM's descriptors and candidates; `Shape.run(i, ...)` runs
-candidate i. Which candidate wins is measured (cublas.tune_algorithms), not assumed.
+"""cuBLASLt through ctypes, for bench/h200_gemm_algos.py: the GEMM that lorac's runtime issues
+(runtime/devices/cuda/cublas.py: cublasGemmStridedBatchedEx, the heuristic's first pick)
+described once per shape, with every candidate of cublasLtMatmulAlgoGetHeuristic runnable on
+the same operands. `Shape(plan)` holds a GEMM's descriptors and candidates, `Shape.run(i, ...)`
+runs candidate i.
 
 A plan tuple is cublas._plan's: (opb, opa, n, m, k, bt, ldb, sb, at, lda, sa, ot, ldc, sc, batch),
-the column-major C[n-by-m... ] = op(b) op(a) call with cuBLAS's operand order.
+the column-major call with cuBLAS's operand order (its A is lorac's b).
 """
 from __future__ import annotations
 
 import ctypes
 
-from ...errors import LoracError
+from lorac.runtime.errors import LoracError
 
 _COMPUTE_32F, _R_32F = 68, 0
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
@@ -36,7 +33,7 @@ def _init():
     global _lib
     if _lib is not None:
         return
-    from .cublas import load_library
+    from lorac.runtime.devices.cuda.cublas import load_library
     lib = load_library("libcublasLt")
     if lib.cublasLtCreate(ctypes.byref(_handle)) != 0:
         raise LoracError("cublasLtCreate failed")
