@@ -118,7 +118,8 @@ class TrainConfig:
                                  "attention state (q, k, v, its output and statistics, the residual sum after it, the norms' "
                                  "rstd) waits in host memory too, so their backward recomputes only the MLP's gate and "
                                  "up: on, off, or auto (where the host link "
-                                 "keeps up with the forward: Llama-3-8B shapes and larger; docs/GRAPHS.md)")
+                                 "keeps up with the forward: Llama-3-8B shapes and larger, unless only the inputs "
+                                 "alone fit --checkpointing auto's budget; docs/GRAPHS.md)")
     keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
                                "(faster, more memory); given alone, turns checkpointing on")
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "

@@ -78,7 +78,9 @@ def test_the_estimate_counts_offload_and_auto_picks_it_when_it_must():
     pinned = memory.offload_host(spec, replace(train, checkpointing=True, keep_layers=tight.keep_layers, offload=True),
                                  "bfloat16")
     small = memory.choose(spec, train, n, "bfloat16", lean - 10 ** 9, "test", offload=True, host=pinned - 1)
-    assert not small.offload and "offload passed over" in small.why
+    assert small.offload and small.state_off  # the inputs alone, without the attention state, pin less
+    none = memory.choose(spec, train, n, "bfloat16", lean - 10 ** 9, "test", offload=True, host=0)
+    assert not none.offload and "offload passed over" in none.why
     assert memory.choose(spec, train, n, "bfloat16", lean - 10 ** 9, "test", offload=True, host=pinned).offload
 
 

@@ -145,6 +145,40 @@ def test_resume_adopts_the_checkpoints_setting(monkeypatch):
         assert (run.cfg.checkpointing, run.cfg.keep_layers) == want and "the checkpoint's setting" in logs[0]
 
 
+def test_auto_drops_the_offloaded_state_before_it_gives_up(monkeypatch):
+    """--offload-state auto sends the attention state with the offloaded inputs (Llama-3-8B); where
+    even every layer recomputed does not fit with it, the offloaded settings are tried with the
+    inputs alone (smaller staging) before `auto` gives up, and the run records `off` for --resume."""
+    from lorac.runtime import devices
+    from lorac.runtime.train.saved import SavedRun
+    spec, train = _train(LLAMA3_8B, 4, 2048, loss_chunk=2048)  # as _resolve's run
+    n = 8_030_000_000
+    monkeypatch.setattr(devices.for_target("cuda"), "host_pinnable", lambda: None)  # whatever this host has
+    lean = lambda **kw: step_memory.estimate(spec, replace(train, checkpointing=True, keep_layers=0, offload=True, **kw), n)
+    with_state, inputs_alone = lean(), lean(offload_state=False)
+    assert inputs_alone < with_state  # 3 slots of 8192 x 4096 bf16 against 3 of the state's
+    budget = (with_state + inputs_alone) // 2
+    choice = step_memory.choose(spec, train, n, "bfloat16", budget, "test", offload=True)
+    assert choice.offload and choice.state_off and choice.need <= budget and choice.keep_layers == 0
+    assert "with their attention state offloaded too every layer recomputed needs" in choice.why
+    roomy = step_memory.choose(spec, train, n, "bfloat16", with_state, "test", offload=True)
+    assert roomy.offload and not roomy.state_off  # the state fits: kept
+    asked_on = step_memory.choose(spec, replace(train, offload_state=True), n, "bfloat16", budget, "test", offload=True)
+    assert not asked_on.state_off and asked_on.need > budget  # --offload-state on is not overridden
+    none_fit = step_memory.choose(spec, train, n, "bfloat16", inputs_alone - 1, "test", offload=True)
+    assert none_fit.offload and none_fit.state_off and "trying it anyway" in none_fit.why  # the leanest
+    # the run: a budget between the two (--memory-budget counts 1 GiB of workspaces beside the step)
+    gb = (budget + step_memory.WORKSPACE) / 1e9
+    run, logs = _resolve(monkeypatch, target="cuda", memory_budget=gb)
+    assert run.cfg.checkpointing == "offload" and run.cfg.offload_state == "off"
+    assert run.train_spec.offload_state is False and "their inputs offloaded to host memory" in logs[0]
+    assert devices.for_target("cuda").OFFLOADS
+    # --resume of that run compiles the same graph: the state stays off where the flag is auto
+    state = {"train_config": {"checkpointing": "offload", "keep_layers": 0, "offload_state": "off"}}
+    run, _ = _resolve(monkeypatch, free=140 * 10**9, saved=SavedRun.from_state(state), target="cuda", resume="ck")
+    assert run.train_spec.offload_state is False and run.cfg.offload_state == "off"
+
+
 def test_flags_and_config_values():
     from lorac.runtime.cli import build_parser, train_config
     from lorac.runtime.config import TrainConfig

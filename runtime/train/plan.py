@@ -124,9 +124,10 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     in the settings too (checkpoints record what ran; a resumed run compiles the same graph).
     Returns (cfg, train)."""
     from . import memory as step_memory
-    off = False
+    off, state_off = False, False
     if cfg.resume:  # the checkpoint's graph
         ckpt, keep, off = saved.checkpointing in ("on", "offload"), saved.keep_layers, saved.checkpointing == "offload"
+        state_off = cfg.offload_state == "auto" and saved.offload_state == "off"
         why = f"the checkpoint's setting ({cfg.resume})"
     elif cfg.keep_layers:
         ckpt, keep, why = True, cfg.keep_layers, "--keep-layers given"
@@ -147,9 +148,12 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
             # a QLoRA run (the loaded base keeps quantized layers) that no setting fits with dense tables
             cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, dtype, budget, source, device, log)
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
+        state_off = choice.state_off
     off = off and ckpt
     train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
     cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+    if off and state_off:  # the offloaded attention state did not fit: the inputs alone (recorded for --resume)
+        train, cfg = replace(train, offload_state=False), replace(cfg, offload_state="off")
     if log is not None:
         from lorac.graphs.compose import offloads_state
         host = step_memory.offload_host(spec, train, cfg.dtype or device.DEFAULT_DTYPE)

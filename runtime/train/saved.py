@@ -29,6 +29,7 @@ class SavedRun:
     truncate: str | None = None  # --truncate (none before it existed: "none")
     checkpointing: str = "off"  # "on", "off" or "offload" as resolved
     keep_layers: int = 0
+    offload_state: str | None = None  # --offload-state as resolved ("off" where auto's state did not fit)
     quantize_embeddings: str | None = None  # "off", "nf4" or "int8" as resolved (None: before the setting)
     steps: int | None = None
     optimizer: dict = field(default_factory=dict)  # the optimizer settings it recorded (TrainConfig.optimizer_settings)
@@ -49,7 +50,8 @@ class SavedRun:
                    rslora=bool(tc.get("rslora", False)), lora_targets=tuple(targets) if targets else None,
                    trained_layers=tc.get("trained_layers"), packing=tc.get("packing"), truncate=tc.get("truncate"),
                    checkpointing=ckpt,
-                   keep_layers=int(tc.get("keep_layers") or 0), quantize_embeddings=tc.get("quantize_embeddings"),
+                   keep_layers=int(tc.get("keep_layers") or 0), offload_state=tc.get("offload_state"),
+                   quantize_embeddings=tc.get("quantize_embeddings"),
                    steps=tc.get("steps"),
                    optimizer={k: tc[k] for k in TrainConfig.optimizer_settings() if tc.get(k) is not None},
                    schedule_steps=state.get("schedule_steps"), data_sha256=state.get("data_sha256"),
