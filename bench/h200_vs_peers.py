@@ -93,6 +93,9 @@ CASES = {
     "8b-4x2048-offload-lc512-nostate": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
                                                                           "offload_state": False, "loss_chunk": 512},
                                         ["fast:unsloth-gc"]),
+    # what --memory-budget 20 picks over a bf16 base (with the attention state every layer recomputed does
+    # not fit: the offloaded inputs alone, runtime/train/memory.py choose)
+    "8b-4x2048-auto20": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 20.0}, ["fast:unsloth-gc"]),
     # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
     "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
     # every layer recomputed, inputs offloaded: the leanest setting (auto48's estimate, 46.8 GB, is at its budget)
@@ -188,6 +191,8 @@ def auto_checkpointing(spec, train, budget_gb: float):
     budget, source = step_memory.budget_from(None, budget_gb)
     c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True)
     chosen = replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload)
+    if c.offload and c.state_off:  # the attention state did not fit: the inputs alone (train/plan.py)
+        chosen = replace(chosen, offload_state=False)
     from lorac.graphs.compose import offloads_state
     what = step_memory.describe(c.checkpointing, c.keep_layers, L, c.offload, offloads_state(spec, chosen))
     print(f"memory: auto: {what} ({c.why})", flush=True)

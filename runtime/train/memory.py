@@ -230,7 +230,7 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
     host: bytes of host memory the offloaded values may pin (None: no limit): a setting that
     would pin more is passed over. Where --offload-state auto sends the attention state with the
     offloaded inputs and even every layer recomputed does not fit, the offloaded settings are
-    tried again with the inputs alone (their staging is a few times smaller; the steps ~3 % slower)."""
+    tried again with the inputs alone (their staging is a few times smaller; the steps slower)."""
     from lorac.graphs.compose import offloads_state
     gb = lambda n: f"{n / 1e9:.1f} GB"
     if budget is None:
