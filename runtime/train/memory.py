@@ -262,6 +262,6 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
                 more += f"; with their attention state offloaded too every layer recomputed needs {gb(lean)}"
             return Choice(ckpt, keep, need, f"estimated {gb(need)} of a {gb(budget)} budget ({source}){more}", off,
                           state_off)
-    need, ckpt, keep, off, state_off = leanest  # the leanest setting estimated (an offloaded one the host can pin)
+    need, _, keep, off, state_off = leanest  # the leanest setting estimated (an offloaded one the host can pin)
     return Choice(True, keep, need, f"even full checkpointing needs an estimated {gb(need)}, more than the "
                                     f"{gb(budget)} budget ({source}){passed}; trying it anyway", off, state_off)
