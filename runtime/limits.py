@@ -76,10 +76,23 @@ def check_plan(manifest, device, what: str) -> None:
 
 def check_memory(spec, train, n_weights: int, device, packed_bytes: int = 0) -> None:
     """Refuse a step whose lower-bound memory exceeds what `device` says is available (this
-    machine's for the CPU, the GPU's when one is visible)."""
+    machine's for the CPU, the GPU's when one is visible). Where the frozen weights alone do
+    not fit, smaller batches cannot help: the message says so, and on a device that keeps a
+    quantized base (QLoRA) how to quantize it."""
+    from lorac.core.dtypes import as_dtype
     have = device.memory_free()
     need = step_bytes_lower_bound(spec, train, n_weights, device, packed_bytes=packed_bytes)
-    if have is not None and need > have:
-        raise LoracError(f"a training step of batch {train.batch} x seq {train.seq} at rank {train.rank} needs at least "
-                         f"{need / 2**30:.1f} GiB, {device.MEMORY_OF} has {have / 2**30:.1f} GiB available; lower "
-                         "--batch, --seq or --rank (or use --checkpointing / --loss-chunk)")
+    if have is None or need <= have:
+        return
+    weights = n_weights * as_dtype(device.DEFAULT_DTYPE).itemsize + packed_bytes
+    if weights > have:
+        hint = "use a smaller model or a device with more memory"
+        if device.KEEPS_QUANTIZED and not packed_bytes:
+            hint = "--quantize nf4 (or int8) keeps the linear weights in 4-bit (8-bit) blocks (QLoRA)"
+        elif device.KEEPS_QUANTIZED and n_weights:
+            hint = "--quantize-embeddings nf4 holds the embedding tables in 4-bit blocks too"
+        raise LoracError(f"the frozen weights alone take {weights / 2**30:.1f} GiB and {device.MEMORY_OF} has "
+                         f"{have / 2**30:.1f} GiB available: {hint}")
+    raise LoracError(f"a training step of batch {train.batch} x seq {train.seq} at rank {train.rank} needs at least "
+                     f"{need / 2**30:.1f} GiB, {device.MEMORY_OF} has {have / 2**30:.1f} GiB available; lower "
+                     "--batch, --seq or --rank (or use --checkpointing / --loss-chunk)")

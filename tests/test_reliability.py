@@ -297,3 +297,11 @@ def test_cuda_memory_is_checked_against_the_gpu_when_one_is_visible(monkeypatch)
         limits.check_memory(spec, train, 10 ** 6, gpu)
     monkeypatch.setattr(gpu, "memory_free", lambda: None)
     limits.check_memory(spec, train, 10 ** 6, gpu)
+    # frozen weights that alone exceed the GPU: a smaller batch cannot help, a quantized base can
+    monkeypatch.setattr(gpu, "memory_free", lambda: 2 * 10 ** 6 - 1)
+    with pytest.raises(LoracError, match=r"the frozen weights alone take .* --quantize nf4 \(or int8\)"):
+        limits.check_memory(spec, train, 10 ** 6, gpu)  # 10^6 bf16 elements
+    with pytest.raises(LoracError, match="--quantize-embeddings nf4"):  # the layers are quantized already
+        limits.check_memory(spec, train, 10 ** 6, gpu, packed_bytes=10 ** 5)
+    with pytest.raises(LoracError, match="a smaller model"):  # nothing dense left to quantize
+        limits.check_memory(spec, train, 0, gpu, packed_bytes=2 * 10 ** 6)
