@@ -132,6 +132,8 @@ def test_run_resolves_auto(monkeypatch):
     assert run.cfg.checkpointing == "off" and "no budget to fit" in logs[0]
     run, _ = _resolve(monkeypatch, target="cuda", backend="ort")
     assert run.cfg.checkpointing == "off"
+    run, logs = _resolve(monkeypatch, target="cuda", memory_budget=16.0)  # a bf16 8B base on a 16 GB card
+    assert "trying it anyway; --quantize nf4 (or int8) keeps the linear weights in 4-bit" in logs[0]
     run, logs = _resolve(monkeypatch, target="cuda", keep_layers=5)
     assert (run.cfg.checkpointing, run.train_spec.keep_layers) == ("on", 5) and "--keep-layers given" in logs[0]
 
