@@ -44,20 +44,26 @@ def lora_params(spec, train) -> int:
     return sum(train.rank * sum(spec.proj_shape(t)) for t in train.lora_targets) * len(train.layers(spec))
 
 
-def step_bytes_lower_bound(spec, train, n_weights: int, device, itemsize: int = 4, packed_bytes: int = 0) -> int:
-    """A lower bound on the bytes one training step needs on `device` (module doc). The frozen
-    weights count in the device's default dtype (bf16 on CUDA); where attention is a fused
-    kernel (cuDNN, packed documents too) it holds no [S, S] probabilities. `n_weights` dense
-    frozen elements; `packed_bytes` of quantized blocks (train/memory.frozen_sizes)."""
+def frozen_bytes(n_weights: int, device, packed_bytes: int = 0) -> int:
+    """Bytes of the frozen weights on `device`: `n_weights` dense elements in its default dtype
+    (bf16 on CUDA) and `packed_bytes` of quantized blocks (train/memory.frozen_sizes)."""
     from lorac.core.dtypes import as_dtype
+    return n_weights * as_dtype(device.DEFAULT_DTYPE).itemsize + packed_bytes
+
+
+def step_bytes_lower_bound(spec, train, n_weights: int, device, itemsize: int = 4, packed_bytes: int = 0) -> int:
+    """A lower bound on the bytes one training step needs on `device` (module doc): the frozen
+    weights (frozen_bytes) and, in `itemsize` bytes each, the LoRA state, the attention
+    probabilities where attention is not a fused kernel (cuDNN, packed documents too hold no
+    [S, S] ones), a loss chunk's logits and each layer's input."""
     b, s, layers = train.batch, train.seq, len(train.layers(spec))
     lora = lora_params(spec, train)
     attention = b * spec.heads * s * s if hasattr(spec, "heads") else 0  # Mamba has none
     if device.FUSED_ATTENTION:
         attention = 0
-    weights = n_weights * as_dtype(device.DEFAULT_DTYPE).itemsize // 4
     chunk = min(train.loss_chunk or b * s, b * s)
-    return packed_bytes + itemsize * (weights + 4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
+    return frozen_bytes(n_weights, device, packed_bytes) + itemsize * (
+        4 * lora + attention + chunk * spec.vocab + layers * b * s * spec.hidden)
 
 
 def check_plan(manifest, device, what: str) -> None:
@@ -79,12 +85,11 @@ def check_memory(spec, train, n_weights: int, device, packed_bytes: int = 0) -> 
     machine's for the CPU, the GPU's when one is visible). Where the frozen weights alone do
     not fit, smaller batches cannot help: the message says so, and on a device that keeps a
     quantized base (QLoRA) how to quantize it."""
-    from lorac.core.dtypes import as_dtype
     have = device.memory_free()
     need = step_bytes_lower_bound(spec, train, n_weights, device, packed_bytes=packed_bytes)
     if have is None or need <= have:
         return
-    weights = n_weights * as_dtype(device.DEFAULT_DTYPE).itemsize + packed_bytes
+    weights = frozen_bytes(n_weights, device, packed_bytes)
     if weights > have:
         hint = "use a smaller model or a device with more memory"
         if device.KEEPS_QUANTIZED and not packed_bytes:
