@@ -80,6 +80,10 @@ def check_plan(manifest, device, what: str) -> None:
                          "--checkpointing / --loss-chunk)")
 
 
+# what a dense base that does not fit is told, where the device keeps a quantized base (QLoRA)
+QUANTIZE_HINT = "--quantize nf4 (or int8) keeps the linear weights in 4-bit (8-bit) blocks (QLoRA)"
+
+
 def check_memory(spec, train, n_weights: int, device, packed_bytes: int = 0) -> None:
     """Refuse a step whose lower-bound memory exceeds what `device` says is available (this
     machine's for the CPU, the GPU's when one is visible). Where the frozen weights alone do
@@ -93,7 +97,7 @@ def check_memory(spec, train, n_weights: int, device, packed_bytes: int = 0) -> 
     if weights > have:
         hint = "use a smaller model or a device with more memory"
         if device.KEEPS_QUANTIZED and not packed_bytes:
-            hint = "--quantize nf4 (or int8) keeps the linear weights in 4-bit (8-bit) blocks (QLoRA)"
+            hint = QUANTIZE_HINT
         elif device.KEEPS_QUANTIZED and n_weights:
             hint = "--quantize-embeddings nf4 holds the embedding tables in 4-bit blocks too"
         raise LoracError(f"the frozen weights alone take {weights / 2**30:.1f} GiB and {device.MEMORY_OF} has "

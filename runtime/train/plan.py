@@ -150,7 +150,7 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
         state_off = choice.state_off
         if choice.need is not None and choice.need > budget and device.KEEPS_QUANTIZED and not train.quant:
-            why += "; --quantize nf4 (or int8) keeps the linear weights in 4-bit (8-bit) blocks (QLoRA)"
+            why += "; " + limits.QUANTIZE_HINT
     off = off and ckpt
     train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
     cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
