@@ -35,6 +35,8 @@ def make_inputs(manifest: dict, exact: bool = True) -> dict[str, np.ndarray]:
     out = {}
     for spec in manifest["inputs"]:
         name, shape = spec["name"], spec["shape"]
+        if "columns" in spec:  # a weight the step holds joined with LoRA B columns: its own width
+            shape = shape[:-1] + [spec["columns"]]
         n = int(np.prod(shape)) if shape else 1
         seed = zlib.crc32(name.encode())
         u = _splitmix(n, seed) if exact or n <= block.size else np.resize(block, n)

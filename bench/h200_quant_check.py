@@ -6,7 +6,8 @@
                                                                   # bnb's dequantize_4bit vs lorac's reference
 
 Checks, on a 40M-class Qwen3 shape at 4x256 (every projection quantized, LoRA on all seven):
-- nf4 (double-quantized absmax), int8 and Q4_K bases: the bf16 CUDA step against the fp32 CPU
+- a dense bf16 base (gate and up held joined with their LoRA B columns), nf4 (double-quantized
+  absmax), int8 and Q4_K bases: the bf16 CUDA step against the fp32 CPU
   step on the reference dequantization of the same blocks: loss within 1e-2 relative, every
   LoRA gradient's cosine >= 0.999 (the bars of docs/BENCHMARKS.md's numerics);
 - checkpointing with and without offload, the latter of the inputs alone and of the inputs
@@ -31,7 +32,9 @@ from h200_check import _splitmix  # noqa: E402
 SHAPE = dict(arch="qwen3", vocab=32000, hidden=512, layers=6, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
              qk_norm=True)
 B, S = 4, 256
-KINDS = {"nf4": dict(kind="nf4", block=64, double=True), "int8": dict(kind="int8"), "q4k": dict(kind="Q4_K")}
+# "dense": the bf16 base itself (its gate and up held joined with their LoRA B columns)
+KINDS = {"dense": None, "nf4": dict(kind="nf4", block=64, double=True), "int8": dict(kind="int8"),
+         "q4k": dict(kind="Q4_K")}
 
 
 def _specs(kind: str | None, ckpt: bool = False, offload: bool = False, state: bool | None = None):
@@ -40,7 +43,7 @@ def _specs(kind: str | None, ckpt: bool = False, offload: bool = False, state: b
     from lorac.graphs.ops.quant import Quant
     spec = ModelSpec(**SHAPE)
     fam = for_spec(spec)
-    quant = () if kind is None else tuple(sorted(
+    quant = () if KINDS.get(kind) is None else tuple(sorted(
         (fam.weight_name(i, t), Quant(**KINDS[kind])) for i in range(spec.layers) for t in fam.TARGETS))
     train = TrainSpec(batch=B, seq=S, lora_targets=fam.TARGETS, rank=16, alpha=32.0, quant=quant,
                       checkpointing=ckpt, offload=offload, offload_state=state)
@@ -114,7 +117,8 @@ def prepare(root: Path, only=None) -> None:
         art = compile_graph(build_training_graph(spec, train), target={"kind": "cuda", "cuda_graph": True},
                             out_dir=root / f"{kind}-cuda", dtype="bfloat16")
         feeds = inputs(json.loads((art / "manifest.json").read_text()))
-        dense = dequantize_weights({k: v for k, v in feeds.items() if ".weight" in k and "lora_" not in k})
+        frozen = {k: v for k, v in feeds.items() if ".weight" in k and "lora_" not in k}
+        dense = frozen if KINDS[kind] is None else dequantize_weights(frozen)
         spec, plain = _specs(None)
         ref = compile_graph(build_training_graph(spec, plain), target="cpu", out_dir=root / "dense-cpu", dtype="float32")
         rest = {k: v for k, v in feeds.items() if not (".weight" in k and "lora_" not in k)}

@@ -270,12 +270,13 @@ def case_engine(cache: str, case: str, tune: int = 0, target: str = "cuda"):
     for i in m["inputs"]:  # random frozen weights, tiled from one block (an 8B model in seconds)
         if i["name"] in ("input_ids", "labels", "position_ids") or "lora_" in i["name"]:
             continue
-        n = int(np.prod(i["shape"]))
+        shape = i["shape"][:-1] + [i["columns"]] if "columns" in i else i["shape"]  # a weight held joined: its own
+        n = int(np.prod(shape))
         if ".weight." in i["name"]:  # a quantized weight's blocks and scales (graphs/ops/quant.py)
             weights[i["name"]] = random_quant_input(i["name"], i["shape"], i["dtype"], rng)
             continue
         w = np.ones(n, ml_dtypes.bfloat16) if "norm" in i["name"] else np.resize(block, n)
-        weights[i["name"]] = w.reshape(i["shape"])
+        weights[i["name"]] = w.reshape(shape)
     eng, spec, optim = _engine(case, cache, weights=weights, tune=tune, target=target)
     del weights
     zeros = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}

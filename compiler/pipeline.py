@@ -114,8 +114,10 @@ def check_supported_ops(model: onnx.ModelProto, mapped: tuple = ()) -> None:
         raise LoracError(f"TVM 0.27's ONNX frontend cannot convert these ops: {', '.join(missing)}")
 
 
-def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
-    """Manifest inputs/outputs: ONNX names with the Relax function's shapes and dtypes."""
+def _signature(model: onnx.ModelProto, func, joined: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """Manifest inputs/outputs: ONNX names with the Relax function's shapes and dtypes. A frozen
+    weight the step holds joined with LoRA B columns (`joined`: Relax name -> the weight's own width,
+    compiler/passes/gemm_lora_k.py) says its own width as `columns`: the runtime pads it with zeros."""
     from tvm import relax
 
     inits = {i.name for i in model.graph.initializer}
@@ -127,7 +129,9 @@ def _signature(model: onnx.ModelProto, func) -> tuple[list[dict], list[dict]]:
     def entry(name, ty, **kw):
         return {"name": name, "shape": [int(d) for d in ty.shape.values], "dtype": str(ty.dtype), **kw}
 
-    inputs = [entry(n, p.ty, relax_name=p.name) for n, p in zip(onnx_inputs, params)]
+    joined = joined or {}
+    inputs = [entry(n, p.ty, relax_name=p.name, **({"columns": joined[p.name]} if p.name in joined else {}))
+              for n, p in zip(onnx_inputs, params)]
     ret = func.ret_ty
     rets = list(ret.fields) if isinstance(ret, relax.TupleType) else [ret]
     names = [o.name for o in model.graph.output]
@@ -185,7 +189,7 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
                     narrow_residuals(mod)
             if acc:
                 from .passes.gemm_lora_k import concat_lora_gemms
-                mod, gemm["lora_k_concat"] = concat_lora_gemms(mod)
+                mod, gemm["lora_k_concat"], gemm["lora_k_resident"] = concat_lora_gemms(mod)
     return mod, units, unit_calls, gemm
 
 
@@ -318,7 +322,7 @@ def _build(proto, tmod, request: dict, dtype: str, tune: int, art_dir: Path) -> 
     """ONNX -> Relax (lower_to_relax) -> tuning (cpu) -> the target's passes -> tvm.compile."""
     t0 = time.perf_counter()
     mod, units, unit_calls, gemm = lower_to_relax(proto, tmod, dtype)
-    inputs, outputs = _signature(proto, mod["main"])
+    inputs, outputs = _signature(proto, mod["main"], gemm.get("lora_k_resident", {}))
     bound = bool(getattr(tmod, "binds_inputs", lambda _r: False)(request))
     if bound:
         mod = bind_all_inputs(mod)

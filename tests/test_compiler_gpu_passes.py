@@ -333,6 +333,7 @@ def test_wide_lora_projections_over_dequantized_weights_are_one_gemm():
 
     n, text = joined(_nf4_decoder())
     assert n == 4, n  # gate and up, forward and recompute (the one layer is recomputed)
+    assert "lorac_lora_tail" not in text  # dequantized weights are joined as they are written
     # gate and up read one [x | u_gate | u_up]: two joins of x, one a forward
     wide = re.findall(r'"lorac\.gemm_nt", \((\w+), \w+\), out_ty=R\.Tensor\(\(64, 256\)', text)
     assert len(wide) == 4 and all(wide.count(a) == 2 for a in wide), wide
@@ -341,7 +342,14 @@ def test_wide_lora_projections_over_dequantized_weights_are_one_gemm():
                                            "intermediate_size": 256, "head_dim": 32})
     dense = build_training_graph(dense_spec, TrainSpec(batch=2, seq=32, rank=4, lora_targets=tuple(ALL_TARGETS),
                                                        checkpointing=True))
-    assert joined(dense)[0] == 0
+    n, text = joined(dense)
+    assert n == 4, n  # a bf16 base: gate and up held joined, [W | B | 0] and [W | 0 | B] of [256, 128 + 2 x 4]
+    for proj in ("gate", "up"):
+        assert f"model_layers_0_mlp_{proj}_proj_weight: R.Tensor((256, 136)" in text, text[:2000]
+    # B written into its slot in place at the forward and the recompute; the backward's dY W reads
+    # the joined weight as it is (its first 128 columns)
+    assert text.count("R.call_tir_inplace(lorac_lora_tail") == 4
+    assert re.search(r'"lorac\.gemm_acc_n+", \([^)]*model_layers_0_mlp_gate_proj_weight', text)
     mod = _cuda_plan(_nf4_decoder(), "bfloat16")["_mod"]
     funcs = {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
     # the joins (not RoPE's halves, nor the labels' shift)
@@ -350,36 +358,80 @@ def test_wide_lora_projections_over_dequantized_weights_are_one_gemm():
     assert all("T.vectorized" in funcs[k] for k in concat), concat
 
 
-@pytest.mark.parametrize("weight, joined", [("cast", 0), ("scaled", 2)])
-def test_only_weights_computed_in_the_step_are_joined(weight, joined):
-    """compiler/passes/gemm_lora_k.py on a hand-made module: a frozen weight that is a parameter, or
-    only its cast, keeps the accumulating pair (a join would copy it every step); one computed in the
-    step (a dequantization; here a scale) is joined, and two projections of one x share its join."""
+@pytest.mark.parametrize("weight, joined", [("cast", 0), ("scaled", 2), ("bf16", 2), ("bf16-read-transposed", 1),
+                                           ("bf16-read-otherwise", 1)])
+def test_only_weights_computed_in_the_step_or_held_joined_are_joined(weight, joined):
+    """compiler/passes/gemm_lora_k.py on a hand-made module: a frozen weight that is only a cast of a
+    parameter keeps the accumulating pair (a join would copy it every step); one computed in the step
+    (a dequantization; here a scale) is joined, and two projections of one x share its join. A bf16
+    parameter read only by those projections and by dY W is held joined ([W | B | 0], the parameter
+    widened, B written in place); one read any other way (transposed by another GEMM, or by an
+    elementwise op) is not."""
     from tvm import relax
 
     from lorac.compiler.passes.gemm_lora_k import concat_lora_gemms
     T, K, N, r = 8, 16, 32, 4
     bb = relax.BlockBuilder()
     ty = lambda *shape: relax.TensorType(shape, "bfloat16")  # noqa: E731
-    x, u1, u2, b1, b2 = (relax.Var(n, ty(*sh)) for n, sh in
-                         (("x", (T, K)), ("u1", (T, r)), ("u2", (T, r)), ("b1", (N, r)), ("b2", (N, r))))
-    w1, w2 = (relax.Var(n, relax.TensorType((N, K), "float32")) for n in ("w1", "w2"))
-    with bb.function("main", [x, u1, u2, b1, b2, w1, w2]):
+    x, u1, u2, b1, b2, dy = (relax.Var(n, ty(*sh)) for n, sh in
+                             (("x", (T, K)), ("u1", (T, r)), ("u2", (T, r)), ("b1", (N, r)), ("b2", (N, r)),
+                              ("dy", (T, N))))
+    wdt = "bfloat16" if weight.startswith("bf16") else "float32"
+    w1, w2 = (relax.Var(n, relax.TensorType((N, K), wdt)) for n in ("w1", "w2"))
+    with bb.function("main", [x, u1, u2, b1, b2, dy, w1, w2]):
         with bb.dataflow():
             ys = []
             for u, b, w in ((u1, b1, w1), (u2, b2, w2)):
                 if weight == "scaled":
                     w = relax.op.multiply(w, relax.const(0.5, "float32"))
-                wb = bb.emit(relax.op.astype(w, "bfloat16"))
+                wb = w if wdt == "bfloat16" else bb.emit(relax.op.astype(w, "bfloat16"))
                 ys.append(bb.emit(relax.call_dps_packed("lorac.gemm_acc_ntnt", [u, b, x, wb], ty(T, N))))
+            if wdt == "bfloat16":  # the input gradient: dY W of both
+                ys.append(bb.emit(relax.call_dps_packed("lorac.gemm_acc_nnnn", [dy, w1, dy, w2], ty(T, K))))
+            if weight == "bf16-read-transposed":
+                ys.append(bb.emit(relax.call_dps_packed("lorac.gemm_nt", [x, w2], ty(T, N))))
+            if weight == "bf16-read-otherwise":
+                ys.append(bb.emit(relax.op.astype(w1, "float32")))
             out = bb.emit_output(relax.Tuple(ys))
         bb.emit_func_output(out)
-    mod, n = concat_lora_gemms(bb.get())
-    assert n == joined
+    mod, n, held = concat_lora_gemms(bb.get())
     text = mod["main"].script()
+    if joined == 1:  # the other weight alone is held joined: its projection joins, the refused one's does not
+        assert (n, sorted(held)) == (1, ["w1" if weight == "bf16-read-transposed" else "w2"]), (n, held)
+        assert text.count('"lorac.gemm_acc_ntnt"') == 1 and text.count("R.call_tir_inplace") == 1
+        return
+    assert n == joined
     assert text.count('"lorac.gemm_acc_ntnt"') == 2 - joined
     if joined:  # one join of x for both: [T, K + 2r]
         assert text.count(f"R.Tensor(({T}, {K + 2 * r}), dtype=\"bfloat16\") = R.reshape") == 1, text
+    if weight == "bf16":
+        assert held == {"w1": K, "w2": K}
+        assert f"w1: R.Tensor(({N}, {K + 2 * r}), dtype=\"bfloat16\")" in text
+        assert text.count("R.call_tir_inplace") == 2 and '"lorac.gemm_acc_nnnn", (dy, w1, dy, w2)' in text, text
+    else:
+        assert held == {} and "R.call_tir_inplace" not in text
+
+
+@pytest.mark.parametrize("rows, r, offset", [(7, 4, 16), (130, 16, 4096 % 97 * 4), (64, 8, 0)])
+def test_lora_tail_kernel_writes_only_its_slot(rows, r, offset):
+    """gemm_lora_k.tail_kernel (serial, on the CPU; the CUDA form is compiled by the GPU-pass tests and
+    run by bench/h200_quant_check.py): b lands in columns [offset, offset + r) of w, in place, and no
+    other element of w changes."""
+    import numpy as np
+    import tvm
+
+    from lorac.compiler.passes.gemm_lora_k import tail_kernel
+    width = offset + 2 * r + 8
+    func = tail_kernel(rows, width, r, offset, "float32", gpu=False).with_attr("global_symbol", "tail")
+    lib = tvm.compile(tvm.IRModule({"tail": func}), target="llvm")
+    rng = np.random.default_rng(rows)
+    w0 = rng.standard_normal((rows, width)).astype(np.float32)
+    b = rng.standard_normal((rows, r)).astype(np.float32)
+    w = tvm.runtime.tensor(w0, tvm.cpu())
+    lib["tail"](w, tvm.runtime.tensor(b, tvm.cpu()))
+    want = w0.copy()
+    want[:, offset:offset + r] = b
+    np.testing.assert_array_equal(w.numpy(), want)
 
 
 def test_only_widened_unsigned_indices_lose_their_wrap():

@@ -88,6 +88,9 @@ class Step:
         want_shape, want_dtype = tuple(spec["shape"]), spec["dtype"]
         if isinstance(value, np.ndarray) or np.isscalar(value):
             arr = np.asarray(value)
+            cols = spec.get("columns")  # a weight held joined with LoRA B columns: zeros beside it
+            if cols is not None and tuple(arr.shape) == want_shape[:-1] + (cols,):
+                arr = np.concatenate([arr, np.zeros(want_shape[:-1] + (want_shape[-1] - cols,), arr.dtype)], axis=-1)
             if tuple(arr.shape) != want_shape:
                 raise LoracError(f"input {spec['name']}: shape {list(arr.shape)}, artifact expects {list(want_shape)}")
             if self._vocab and spec["name"] in ("input_ids", "labels") and arr.size:

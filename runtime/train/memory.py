@@ -161,6 +161,22 @@ def dequant_workspace(spec, train, dtype: str) -> int:
     return (2 * max(sizes, default=0) + joined) * itemsize
 
 
+def joined_dense(spec, train, dtype: str) -> int:
+    """Bytes a bf16 base's projections held joined with their LoRA B columns add (compiler/passes/
+    gemm_lora_k.py): each wide adapted projection's rows a rank wider per wide projection (those of
+    one input share its join: an upper bound where wide ones read different inputs), in every layer,
+    and the step's [T, in + ranks] copy of x beside them."""
+    quant = {name.split(".")[-2] for name, _ in train.quant}
+    shape = getattr(spec, "proj_shape", None)
+    wide = [t for t in train.lora_targets if dtype == "bfloat16" and shape is not None and t not in quant
+            and train.rank % 4 == 0 and shape(t)[0] >= LORA_K_WIDE * shape(t)[1]]
+    if not wide:
+        return 0
+    extra = len(wide) * train.rank
+    rows = sum(spec.proj_shape(t)[0] for t in wide) * extra * spec.layers
+    return 2 * (rows + train.batch * train.seq * (spec.proj_shape(wide[0])[1] + extra))
+
+
 def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes: int = 0) -> int | None:
     """Bytes the step holds on a CUDA device: static plan + frozen weights (`n_weights` dense
     elements, `packed_bytes` of quantized blocks: frozen_sizes) + LoRA state (parameters,
@@ -170,8 +186,8 @@ def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes:
     if plan is None:
         return None
     weights = n_weights * (2 if dtype == "bfloat16" else 4) + packed_bytes
-    return plan + dequant_workspace(spec, train, dtype) + offload_staging(spec, train, dtype) + weights + \
-        16 * lora_params(spec, train)
+    return plan + dequant_workspace(spec, train, dtype) + joined_dense(spec, train, dtype) + \
+        offload_staging(spec, train, dtype) + weights + 16 * lora_params(spec, train)
 
 
 def _slot_token_bytes(spec, train, dtype: str) -> int:

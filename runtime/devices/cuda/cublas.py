@@ -83,14 +83,17 @@ def _plan(ta: bool, tb: bool, sa: tuple, sb: tuple, so: tuple, da: str, db: str,
     batch = 1
     for d in so[:-2]:
         batch *= d
-    stride_a = M * K if len(sa) > 2 else 0
-    stride_b = K * N if len(sb) > 2 else 0
+    # each operand's leading dimension is its own row length: a right operand may be wider than the
+    # GEMM reads (a frozen weight held joined with LoRA B columns, compiler/passes/gemm_lora_k.py:
+    # dY W reads its first N columns)
+    stride_a = sa[-2] * sa[-1] if len(sa) > 2 else 0
+    stride_b = sb[-2] * sb[-1] if len(sb) > 2 else 0
     # a shared 2-D right operand under a non-transposed batch: one tall GEMM is faster
     if len(sb) == 2 and len(sa) > 2 and not ta:
         M, batch, stride_a = M * batch, 1, 0
     return (_OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
-            _DTYPE[db], K if tb else N, stride_b,
-            _DTYPE[da], M if ta else K, stride_a,
+            _DTYPE[db], sb[-1], stride_b,
+            _DTYPE[da], sa[-1], stride_a,
             _DTYPE[do], N, M * N if batch > 1 else 0, batch)
 
 
