@@ -66,3 +66,23 @@ def test_cublas_reads_a_wider_right_operand_by_its_row_length():
     opb, opa, n, m, k, _, ldb, _, _, lda, _, _, ldc, _, _ = _plan(False, False, (64, 256), (256, 136), (64, 128),
                                                                   bf, bf, bf)
     assert (n, m, k, ldb, lda, ldc) == (128, 64, 256, 136, 256, 128)
+
+
+def test_estimate_counts_the_joined_columns():
+    """runtime/train/memory.joined_dense: at the Llama-3-8B shape, 4x2048, r=16 on all seven, gate and
+    up of every layer are 2 x 16 columns wider (bf16) and the step copies x beside u once; nothing
+    where they are quantized (the dequantization workspace counts those), not adapted, or in fp32."""
+    from dataclasses import replace
+
+    from lorac.graphs.ops.quant import Quant
+    from lorac.runtime.train.memory import joined_dense
+    spec = ModelSpec.from_hf_config(dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                         num_key_value_heads=8, head_dim=128, tie_word_embeddings=False))
+    train = TrainSpec(batch=4, seq=2048, rank=16, lora_targets=tuple(ALL_TARGETS))
+    assert joined_dense(spec, train, "bfloat16") == 2 * (2 * 14336 * 32 * 32 + 4 * 2048 * (4096 + 32))
+    assert joined_dense(spec, train, "float32") == 0
+    assert joined_dense(spec, replace(train, lora_targets=("q_proj", "v_proj")), "bfloat16") == 0
+    quant = tuple(sorted((f"model.layers.{i}.mlp.{p}.weight", Quant(kind="nf4", block=64, double=True))
+                         for i in range(32) for p in ("gate_proj", "up_proj")))
+    assert joined_dense(spec, replace(train, quant=quant), "bfloat16") == 0
