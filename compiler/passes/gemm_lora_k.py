@@ -157,8 +157,7 @@ def _resident(func: relax.Function, bound: dict, plan: dict) -> dict:
                 continue  # an alias: its own reads are followed through _root
             operands = _gemm_operands(value)
             if operands is None:
-                refused.update(v for v in map(lambda v: _root(bound, v), relax.analysis.free_vars(value))
-                               if v in params)
+                refused.update(r for r in (_root(bound, v) for v in relax.analysis.free_vars(value)) if r in params)
                 continue
             for i, (v, letter) in enumerate(operands):
                 v = _root(bound, v)
@@ -170,7 +169,7 @@ def _resident(func: relax.Function, bound: dict, plan: dict) -> dict:
                     slots.setdefault(v, set()).add((len(us), k, _static_shape(us[0].ty)[1]))
                 elif not (i % 2 and letter == "n"):
                     refused.add(v)
-    refused.update(v for v in map(lambda v: _root(bound, v), relax.analysis.free_vars(func.body.body)) if v in params)
+    refused.update(r for r in (_root(bound, v) for v in relax.analysis.free_vars(func.body.body)) if r in params)
     return {v: next(iter(s)) for v, s in slots.items() if v not in refused and len(s) == 1}
 
 
