@@ -164,8 +164,8 @@ def _resident(func: relax.Function, bound: dict, plan: dict) -> dict:
                 if v not in params:
                     continue
                 planned = plan.get(b.var)
-                if planned is not None and i == 3 and _root(bound, _operands(value, bound)[3]).same_as(v):
-                    x, us, k = planned
+                if planned is not None and i == 3:  # a planned projection's W
+                    _, us, k = planned
                     slots.setdefault(v, set()).add((len(us), k, _static_shape(us[0].ty)[1]))
                 elif not (i % 2 and letter == "n"):
                     refused.add(v)
@@ -216,7 +216,6 @@ class _Join(PyExprMutator):
         # a parameter held joined -> its wider replacement; the tail kernels by shape
         self.held = {p: relax.Var(p.name, relax.TensorType(
             [_static_shape(p.ty)[0], _static_shape(p.ty)[1] + n * r], "bfloat16")) for p, (n, _, r) in (resident or {}).items()}
-        self.resident = resident or {}
         self.kernels: dict = {}
 
     def visit_var_(self, var):
@@ -227,23 +226,23 @@ class _Join(PyExprMutator):
         if planned is None:
             return super().visit_var_binding_(binding)
         x, us, k = planned
-        _, b, _, w = (self.visit_expr(v) for v in _operands(binding.value, self.bound))
+        operands = _operands(binding.value, self.bound)
+        _, b, _, w = (self.visit_expr(v) for v in operands)
         key = (x, tuple(us))
         if key not in self.joined:  # [x | u_1 | ... | u_n], shared by the projections of x
             self.joined[key] = self.builder_.emit(_join_columns([self.visit_expr(v) for v in (x, *us)]))
-        # zeros against the other projections' u (their ranks are this one's: _plan_block), formed in
-        # the joining kernel as B * 0: a zeros op would be folded into a constant block stored with
-        # the artifact, one per projection and layer
-        root = _root(self.bound, _operands(binding.value, self.bound)[3])
+        root = operands[3]  # W as the block binds it (_operands follows aliases)
         if root in self.held:  # a parameter held joined: B written into its slot, in place
             wb = self._write_tail(self.held[root], b, _static_shape(root.ty)[1] + k * _static_shape(b.ty)[1])
         else:
+            # zeros against the other projections' u (their ranks are this one's: _plan_block), formed in
+            # the joining kernel as B * 0: a zeros op would be folded into a constant block stored with
+            # the artifact, one per projection and layer
             zero = self.builder_.normalize(relax.op.multiply(b, relax.const(0.0, "bfloat16")))
             wb = self.builder_.emit(_join_columns([w] + [b if i == k else zero for i in range(len(us))]))
         self.rewritten += 1
         call = relax.call_dps_packed(GEMM_PREFIX + "nt", [self.joined[key], wb], binding.value.ty)
         self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(call)))
-
 
     def _write_tail(self, held: relax.Var, b, offset: int):
         (rows, width), r = _static_shape(held.ty), _static_shape(b.ty)[1]
@@ -283,8 +282,8 @@ def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict]:
     resident = _resident(main, bound, plan) if isinstance(main, relax.Function) else {}
     # a projection over a parameter not held joined keeps its accumulating pair (a join would copy
     # W every step)
-    plan = {v: p for v, p in plan.items() if not _from_parameter(bound, _operands(bound[v], bound)[3])
-            or _root(bound, _operands(bound[v], bound)[3]) in resident}
+    weight = lambda v: _operands(bound[v], bound)[3]  # noqa: E731 (W of a planned projection, aliases followed)
+    plan = {v: p for v, p in plan.items() if not _from_parameter(bound, weight(v)) or weight(v) in resident}
     if not plan:
         return mod, 0, {}
     rewriter = _Join(mod, plan, bound, resident)
