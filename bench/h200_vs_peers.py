@@ -93,9 +93,16 @@ CASES = {
     "8b-4x2048-offload-lc512-nostate": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
                                                                           "offload_state": False, "loss_chunk": 512},
                                         ["fast:unsloth-gc"]),
+    # the same with the input embedding in pinned host memory (--offload-embeddings on): 1.05 GB off the GPU
+    "8b-4x2048-offload-lc512-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
+                                                                     "loss_chunk": 512, "embed_host": True},
+                                   ["fast:unsloth-gc"]),
     # what --memory-budget 20 picks over a bf16 base (with the attention state every layer recomputed does
     # not fit: the offloaded inputs alone, runtime/train/memory.py choose)
     "8b-4x2048-auto20": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 20.0}, ["fast:unsloth-gc"]),
+    # ... and with the input embedding in host memory, as `lorac train --memory-budget 20` now holds it
+    "8b-4x2048-auto20-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 20.0, "embed_host": True},
+                            ["fast:unsloth-gc"]),
     # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
     "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
     # every layer recomputed, inputs offloaded: the leanest setting (auto48's estimate, 46.8 GB, is at its budget)
@@ -112,6 +119,13 @@ CASES = {
                                      ["fast:unsloth-4bit-gc"]),
     "8b-4x2048-nf4e-auto10": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0},
                               ["fast:unsloth-4bit-gc"]),
+    # the input table (dense, or NF4 with the head) in host memory: what `--memory-budget 10` then keeps
+    "8b-4x2048-nf4-auto10-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "memory_budget": 10.0,
+                                                                  "embed_host": True}, ["fast:unsloth-4bit-gc"]),
+    "8b-4x2048-nf4e-auto10-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 10.0,
+                                                                   "embed_host": True}, ["fast:unsloth-4bit-gc"]),
+    "8b-1x2048-nf4-auto8-eh": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "memory_budget": 8.0, "embed_host": True},
+                               ["fast:unsloth-4bit-gc"]),
     # the same keeping one layer more than auto picks for 10 GB (--keep-layers 3 --checkpointing offload)
     "8b-4x2048-nf4e-keep3": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
                                                                "keep_layers": 3, "offload": True},
@@ -153,7 +167,7 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0, target: str = "c
     spec = ModelSpec.from_hf_config(cfg)
     fam = for_spec(spec)
     kw = {"loss_chunk": auto_chunk(spec.vocab, B * S), **extra}  # `lorac train`'s CUDA default
-    budget = kw.pop("memory_budget", None)
+    budget, on_host = kw.pop("memory_budget", None), kw.pop("embed_host", False)
     kind, embed = kw.pop("quant", None), kw.pop("embed", None)
     if kind:
         from lorac.graphs.ops.quant import Quant
@@ -165,15 +179,18 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0, target: str = "c
         from lorac.runtime.model.quant.embeddings import held
         train = held(spec, train, embed)
     if budget is not None:
-        train = auto_checkpointing(spec, train, budget)
+        train = auto_checkpointing(spec, train, budget, on_host)
+    from lorac.runtime.train.memory import host_table
+    host = (host_table(spec),) if on_host else ()  # --offload-embeddings on
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
     eng = Engine(spec, train, weights or {}, target, None, cache, optim, log=lambda m: print(m, flush=True),
-                 tune=tune)  # the device's dtype: bf16 on cuda
+                 tune=tune, host_tables=host)  # the device's dtype: bf16 on cuda
     return eng, spec, optim
 
 
-def auto_checkpointing(spec, train, budget_gb: float):
-    """`train` with the checkpointing `lorac train --memory-budget budget_gb` picks (decoder shapes)."""
+def auto_checkpointing(spec, train, budget_gb: float, on_host: bool = False):
+    """`train` with the checkpointing `lorac train --memory-budget budget_gb` picks (decoder shapes);
+    on_host: the input embedding waits in host memory (--offload-embeddings on)."""
     from dataclasses import replace
 
     from lorac.graphs.ops.quant import quant_inputs
@@ -188,6 +205,7 @@ def auto_checkpointing(spec, train, budget_gb: float):
         n_weights -= out * inp
         packed += sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in quant_inputs(qt, name, out, inp))
     n_weights, packed = frozen_with(spec, (n_weights, packed), layers, train.quant)  # quantized embeddings
+    n_weights, packed = step_memory.frozen_on_device(spec, (n_weights, packed), train.quant, on_host)
     budget, source = step_memory.budget_from(None, budget_gb)
     c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True)
     chosen = replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload)

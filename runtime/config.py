@@ -26,6 +26,7 @@ BOUNDS = {"lr": (0.0, 1.0, False), "loraplus_ratio": (0.0, 1000.0, False), "weig
           "alpha": (0.0, 1000.0, False)}
 CHECKPOINTING = ("auto", "on", "off", "offload")
 OFFLOAD_STATE = {"auto": None, "on": True, "off": False}  # --offload-state -> TrainSpec.offload_state
+OFFLOAD_EMBEDDINGS = ("auto", "on", "off")
 OFFLOAD_STATE_DEFAULT = "auto"
 
 
@@ -120,6 +121,13 @@ class TrainConfig:
                                  "up: on, off, or auto (where the host link "
                                  "keeps up with the forward: Llama-3-8B shapes and larger, unless only the inputs "
                                  "alone fit --checkpointing auto's budget; docs/GRAPHS.md)")
+    # an untied model's input embedding in pinned host memory, read by the lookup in place
+    # (runtime/devices/cuda/mapped.py; runtime/train/plan.py resolves auto)
+    offload_embeddings: str = setting("auto", "keep an untied model's input embedding table in pinned host memory, "
+                                      "where the GPU reads the rows of each step's tokens over PCIe (1.05 GB of GPU "
+                                      "memory freed at Llama-3-8B's shape, ~67 MB read a 4x2048 step): on, off, or "
+                                      "auto: on where the step checkpoints (cuda; a tied table, also the LM head, "
+                                      "stays on the GPU)")
     keep_layers: int = setting(0, "with checkpointing, the N highest layers keep their activations instead "
                                "(faster, more memory); given alone, turns checkpointing on")
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
@@ -199,6 +207,12 @@ class TrainConfig:
                 devices.for_target(self.target), "OFFLOADS", False)):
             raise LoracError(f"--checkpointing offload keeps inputs in host memory beside a GPU; --target "
                              f"{self.target} --backend {self.backend} has no such device memory (use on)")
+        if self.offload_embeddings not in OFFLOAD_EMBEDDINGS:
+            raise LoracError(f"--offload-embeddings must be auto, on or off, got {self.offload_embeddings!r}")
+        if self.offload_embeddings == "on" and (self.backend != "tvm" or getattr(
+                devices.for_target(self.target), "host_table", None) is None):
+            raise LoracError(f"--offload-embeddings on keeps the embedding in host memory beside a GPU; --target "
+                             f"{self.target} --backend {self.backend} has no such device memory")
         if self.offload_state not in OFFLOAD_STATE:
             raise LoracError(f"--offload-state must be auto, on or off, got {self.offload_state!r}")
         if not isinstance(self.keep_layers, int) or isinstance(self.keep_layers, bool) or self.keep_layers < 0:

@@ -38,13 +38,13 @@ def test_upload_pads_a_joined_weight_with_zeros():
     spec = {"name": "w", "shape": [3, 7], "dtype": "float32", "columns": 5}
     fake = types.SimpleNamespace(_vocab=None)
     w = np.arange(15, dtype=np.float32).reshape(3, 5)
-    got = Step._checked(fake, spec, w)
+    got = Step.checked(fake, spec, w)
     assert got.shape == (3, 7) and got.flags.c_contiguous
     np.testing.assert_array_equal(got[:, :5], w)
     assert not got[:, 5:].any()
-    assert Step._checked(fake, spec, np.ones((3, 7), np.float32)).shape == (3, 7)  # already joined: as it is
+    assert Step.checked(fake, spec, np.ones((3, 7), np.float32)).shape == (3, 7)  # already joined: as it is
     with pytest.raises(LoracError, match=r"input w: shape \[3, 6\]"):
-        Step._checked(fake, spec, np.ones((3, 6), np.float32))
+        Step.checked(fake, spec, np.ones((3, 6), np.float32))
 
 
 def test_cublas_reads_a_wider_right_operand_by_its_row_length():

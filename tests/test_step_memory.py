@@ -171,7 +171,7 @@ def test_auto_drops_the_offloaded_state_before_it_gives_up(monkeypatch):
     assert none_fit.offload and none_fit.state_off and "trying it anyway" in none_fit.why  # the leanest
     # the run: a budget between the two (--memory-budget counts 1 GiB of workspaces beside the step)
     gb = (budget + step_memory.WORKSPACE) / 1e9
-    run, logs = _resolve(monkeypatch, target="cuda", memory_budget=gb)
+    run, logs = _resolve(monkeypatch, target="cuda", memory_budget=gb, offload_embeddings="off")  # estimated as above
     assert run.cfg.checkpointing == "offload" and run.cfg.offload_state == "off"
     assert run.train_spec.offload_state is False and "their inputs offloaded to host memory" in logs[0]
     assert devices.for_target("cuda").OFFLOADS

@@ -57,6 +57,10 @@ optional (a module without one gets the default in OPTIONAL below):
     host_pinnable() -> int | None
                    where OFFLOADS: the host bytes offloaded values may pin (None: no limit
                    known); --checkpointing auto passes over settings that would pin more
+    host_table(shape, dtype) -> (tensor, numpy view)
+                   a device tensor whose memory is pinned host memory the device reads in
+                   place, and a numpy array over it to fill (--offload-embeddings); None
+                   where the device has no such memory
     DEVICE_PER_WORKER
                    data-parallel workers on one host take one device each (select(i))
     select(index)  make device `index` of this host the one artifacts open on
@@ -91,7 +95,7 @@ OPTIONAL = {
     "AUTO_CHECKPOINTING": False, "LOSS_CHUNK_BYTES": None, "FUSED_ATTENTION": False,
     "ISOLATED_PACKING_FAST": True, "TUNED_TARGETS": (), "CAPTURES_GRAPHS": False, "KEEPS_QUANTIZED": False,
     "KEEPS_QUANTIZED_ABOVE": None,
-    "OFFLOADS": False, "host_pinnable": _nothing,
+    "OFFLOADS": False, "host_pinnable": _nothing, "host_table": None,
     "DEVICE_PER_WORKER": False, "select": _nothing, "GRAD_ALLREDUCE": "host", "TRAINS_ON": None,
     "check_ort": _nothing, "reserve_documents": _nothing, "feeder": _nothing,
 }

@@ -8,9 +8,10 @@ from ..errors import LoracError
 
 def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
                 cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, providers=None,
-                ranks: int = 1, tune: int = 0):
+                ranks: int = 1, tune: int = 0, host_tables: tuple = ()):
     """The engine of `backend`: "tvm" (compiled artifacts) or "ort" (onnxruntime, `providers`);
-    `ranks` data-parallel workers (runtime/dist/__init__.py) and `tune` MetaSchedule trials on the TVM backend."""
+    `ranks` data-parallel workers (runtime/dist/__init__.py), `tune` MetaSchedule trials and
+    `host_tables` (tables read from host memory: --offload-embeddings) on the TVM backend."""
     if backend == "ort":
         if ranks > 1:
             raise LoracError("data-parallel training (--gpus, mpiexec) runs on --backend tvm")
@@ -20,4 +21,4 @@ def make_engine(backend: str, spec, train, weights: dict, target: str = "cpu", d
         raise LoracError("--ort-providers is for --backend ort")
     from .tvm import Engine
     return Engine(spec, train, weights, target, dtype, cache_dir, optim_cfg, log, cuda_graph=cuda_graph, ranks=ranks,
-                  tune=tune)
+                  tune=tune, host_tables=host_tables)

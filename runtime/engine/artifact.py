@@ -63,7 +63,7 @@ class Step:
     def _to_device(self, spec: dict, value):
         if self.bound_inputs and self._buffers.get(spec["name"]) is value:
             return value  # the step's own buffer (uploaded weights, pushed LoRA tensors): checked when filled
-        t = self._checked(spec, value)
+        t = self.checked(spec, value)
         if not self.bound_inputs:
             return self._new_tensor(t) if isinstance(t, np.ndarray) else t
         buf = self._buffers.get(spec["name"])
@@ -80,7 +80,7 @@ class Step:
         import tvm
         return tvm.runtime.tensor(arr, self._dev)
 
-    def _checked(self, spec: dict, value):
+    def checked(self, spec: dict, value):
         """`value` checked against input `spec`: a C-contiguous numpy array of its dtype, or a
         device tensor of its shape and dtype on the step's device."""
         import tvm
@@ -130,6 +130,15 @@ class Step:
         step with bound inputs it is the step's own buffer for that input: pass it to this
         step only (another upload for the same input overwrites it)."""
         return self._to_device(spec, value)
+
+    def adopt(self, spec: dict, tensor):
+        """Input `spec` read from `tensor` (a device tensor of its shape and dtype, e.g. one whose
+        memory is pinned host memory: runtime/devices/cuda/mapped.py) as it is: a step with bound
+        inputs takes it as its own buffer instead of copying it into one."""
+        t = self.checked(spec, tensor)
+        if self.bound_inputs:
+            self._buffers[spec["name"]] = t
+        return t
 
     def __call__(self, inputs: dict, as_numpy: bool = True) -> dict:
         self._check(inputs)

@@ -37,7 +37,7 @@ class Engine(Graphs):
 
     def __init__(self, spec, train, weights: dict, target: str = "cpu", dtype: str | None = None,
                  cache_dir=".lorac-cache", optim_cfg=None, log=None, cuda_graph: bool = True, ranks: int = 1,
-                 tune: int = 0):
+                 tune: int = 0, host_tables: tuple = ()):
         device = devices.for_target(target)
         super().__init__(spec, train, target, dtype or device.DEFAULT_DTYPE, cache_dir, optim_cfg, log, ranks)
         self.device = device.NAME
@@ -45,6 +45,11 @@ class Engine(Graphs):
         # step otherwise: docs/BENCHMARKS.md); eval, forward and AdamW run as plain VM calls
         self.cuda_graph = cuda_graph and getattr(device, "CAPTURES_GRAPHS", False)
         self.tune = tune  # MetaSchedule trials for the training step's kernels (0: default schedules)
+        # frozen tables (HF names) held in host memory the device reads in place (--offload-embeddings):
+        # every input of the table's (a quantized table's blocks and scales too)
+        self.host_tables = tuple(host_tables)
+        if self.host_tables and device.host_table is None:
+            raise LoracError(f"--offload-embeddings: device {device.NAME} reads no tables from host memory")
         # uploaded by the first artifact loaded, then dropped: a dict of its own, emptied as each
         # tensor is copied, so a caller that let go of its arrays sees each freed as it goes
         self._host_weights = None if weights is None else dict(weights)
@@ -70,7 +75,8 @@ class Engine(Graphs):
             self._arts[kind] = step
             if kind == "train":
                 from lorac.graphs.families import for_spec
-                self.log(memory_summary(step.manifest, self.shapes, self.device, for_spec(self.spec).EMBEDDINGS))
+                self.log(memory_summary(step.manifest, self.shapes, self.device, for_spec(self.spec).EMBEDDINGS,
+                                        self.host_tables))
             if kind != "adamw" and self._weights is None:
                 self._weights = self._upload(step, self._host_weights)
                 self._host_weights = None  # the device holds them now
@@ -88,7 +94,19 @@ class Engine(Graphs):
         time, not two (a CPU "device" copy is host memory too)."""
         specs = {i["name"]: i for i in step.inputs}
         self._missing_weights(specs, tensors)
-        return {n: step.upload(specs[n], tensors.pop(n)) for n in [n for n in tensors if n in specs]}
+        return {n: self._place(step, specs[n], tensors.pop(n)) for n in [n for n in tensors if n in specs]}
+
+    def _place(self, step, spec: dict, value):
+        """`value` where `step` reads input `spec`: on the device (Step.upload), or for a table held in
+        host memory, copied once into pinned host memory the device maps and then passed as it is."""
+        name = spec["name"]
+        if not any(name == t or name.startswith(f"{t}.") for t in self.host_tables):
+            return step.upload(spec, value)
+        if isinstance(value, np.ndarray):
+            arr = step.checked(spec, value)  # converted to the artifact's dtype
+            value, view = devices.get(self.device).host_table(tuple(spec["shape"]), spec["dtype"])
+            view[...] = arr
+        return step.adopt(spec, value)
 
     # -- LoRA + optimizer state: flat per-bucket device buffers (see graphs/optimizer.Bucket) --
     def set_state(self, lora: dict, m: dict, v: dict) -> None:
@@ -179,22 +197,28 @@ class Engine(Graphs):
         return step({**self._weights, **self._feed(step, lora), "input_ids": ids})["logits"]
 
 
-def memory_summary(manifest, lora_shapes: dict, device: str, tables: tuple = ()) -> str:
+def memory_summary(manifest, lora_shapes: dict, device: str, tables: tuple = (), host: tuple = ()) -> str:
     """One line on what a training step holds on its device: the compiled step's static
     plan (activations and workspace), the frozen weights as the artifact takes them (the
-    quantized embedding tables among them said apart: `tables`, the family's EMBEDDINGS), and
-    the LoRA tensors with their gradients and AdamW moments (fp32)."""
+    quantized embedding tables among them said apart: `tables`, the family's EMBEDDINGS; the
+    tables in `host` wait in host memory: --offload-embeddings), and the LoRA tensors with their
+    gradients and AdamW moments (fp32)."""
     plan = manifest.static_plan_bytes
     size = lambda i: int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize
-    frozen = sum(size(i) for i in manifest.inputs if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
+    of = lambda names: lambda i: any(i["name"] == t or i["name"].startswith(f"{t}.") for t in names)
+    on_host = [i for i in manifest.inputs if of(host)(i)]
+    inputs = [i for i in manifest.inputs if not of(host)(i)]
+    frozen = sum(size(i) for i in inputs if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
     # a quantized weight's inputs are its name plus a suffix (graphs/ops/quant.py): blocks and scales
-    packed = sum(size(i) for i in manifest.inputs if ".weight." in i["name"] and "lora_" not in i["name"])
+    packed = sum(size(i) for i in inputs if ".weight." in i["name"] and "lora_" not in i["name"])
     state = 4 * 4 * sum(int(np.prod(s)) for s in lora_shapes.values())
     gb = lambda n: f"{n / 1e9:.1f} GB"
     quantized = f" + quantized weights {gb(packed)}" if packed else ""
-    embedded = sum(size(i) for i in manifest.inputs if i["name"].startswith(tuple(f"{t}." for t in tables)))
+    embedded = sum(size(i) for i in inputs if i["name"].startswith(tuple(f"{t}." for t in tables)))
     if embedded:
         quantized += f" (of which embeddings {gb(embedded)})"
+    if on_host:
+        quantized += f" (and {gb(sum(size(i) for i in on_host))} of embeddings in host memory)"
     return (f"{device} memory for training: step activations and workspace {gb(plan)} (static plan), frozen "
             f"weights {gb(frozen)}{quantized}, LoRA tensors + gradients + AdamW moments {gb(state)}; total "
             f"{gb(plan + frozen + packed + state)} before library workspaces (--checkpointing and --keep-layers trade "

@@ -133,6 +133,26 @@ def frozen_sizes(weights: dict) -> tuple[int, int]:
     return dense, packed
 
 
+def host_table(spec) -> str | None:
+    """The HF name of the table --offload-embeddings may hold in host memory: an untied model's input
+    embedding, which only the lookup of the step's tokens reads (a tied one is the LM head too)."""
+    from lorac.graphs.families import for_spec
+    return None if spec.tied else for_spec(spec).EMBEDDINGS[0]
+
+
+def frozen_on_device(spec, frozen: tuple[int, int], quant: tuple, on_host: bool) -> tuple[int, int]:
+    """frozen_sizes' (dense elements, packed bytes) less the input table where it waits in host
+    memory (`on_host`): its dense elements, or its blocks and scales where `quant` holds it quantized."""
+    name = host_table(spec)
+    if not on_host or name is None:
+        return frozen
+    held = dict(quant)
+    if name in held:
+        from ..model.quant.embeddings import table_bytes
+        return frozen[0], frozen[1] - table_bytes(spec, ((name, held[name]),))
+    return frozen[0] - spec.vocab * spec.hidden, frozen[1]
+
+
 def dequant_workspace(spec, train, dtype: str) -> int:
     """Bytes of the dense copies quantized weights are dequantized into: each lives from its
     dequantization to the GEMM that reads it; two of the largest at once (the next layer's

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from .. import devices
 from .. import limits
+from . import memory
 from ..config import TrainConfig
 from ..errors import LoracError
 
@@ -97,12 +98,40 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
     frozen = embeddings.frozen_with(spec, frozen, quant, train.quant)  # the tables the run quantizes
     if cfg.quantize_embeddings != "off":
         log(f"embeddings: {embeddings.describe(spec, train.quant, cfg.dtype or device.DEFAULT_DTYPE, train.head_slices)}")
+    cfg = plan_host_tables(cfg, spec, train, device, log)
     train.validate(spec)
     # before any compile: an impossible size would only fill memory
     limits.check_context(cfg.seq, model_config, "--seq")
     limits.check_rank(spec, train)
-    limits.check_memory(spec, train, frozen[0], device, frozen[1])
+    on_gpu = memory.frozen_on_device(spec, frozen, train.quant, cfg.offload_embeddings == "on")
+    limits.check_memory(spec, train, on_gpu[0], device, on_gpu[1])
     return Plan(cfg, spec, train, device, workers)
+
+
+def host_tables_possible(cfg: TrainConfig, spec, device) -> bool:
+    """Whether the run may hold the input embedding in host memory (--offload-embeddings): an untied
+    table, on a device whose kernels read pinned host memory in place, on the TVM backend."""
+    return memory.host_table(spec) is not None and device.host_table is not None and cfg.backend == "tvm"
+
+
+def plan_host_tables(cfg: TrainConfig, spec, train, device, log) -> TrainConfig:
+    """--offload-embeddings resolved (auto: on where the step checkpoints and the table may move;
+    choose_checkpointing may have decided it already, to fit its budget) and logged."""
+    name = memory.host_table(spec)
+    if cfg.offload_embeddings == "on" and name is None:
+        raise LoracError("--offload-embeddings on: this model's input embedding is also its LM head (tied "
+                         "embeddings), which the loss reads whole every step: it stays on the GPU (use off or auto)")
+    if cfg.offload_embeddings == "auto":
+        on = host_tables_possible(cfg, spec, device) and train.checkpointing
+        cfg = replace(cfg, offload_embeddings="on" if on else "off")
+    if cfg.offload_embeddings == "on":
+        from ..model.quant.embeddings import table_bytes
+        held = dict(train.quant)
+        size = table_bytes(spec, ((name, held[name]),)) if name in held else \
+            spec.vocab * spec.hidden * (2 if (cfg.dtype or device.DEFAULT_DTYPE) == "bfloat16" else 4)
+        log(f"embeddings: {name} waits in pinned host memory ({size / 1e9:.2f} GB off the GPU); the lookup reads "
+            "the rows of each step's tokens over PCIe (--offload-embeddings)")
+    return cfg
 
 
 def plan_embeddings(cfg: TrainConfig, spec, train, *, saved=None):
@@ -142,11 +171,19 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
             budget = int(gather([budget], "the memory budgets").min())
             source += f", the least of {dp.size} workers"
         dtype = cfg.dtype or device.DEFAULT_DTYPE
-        choice = step_memory.choose(spec, train, frozen[0], dtype, budget, source, frozen[1], offload=device.OFFLOADS,
-                                    host=device.host_pinnable())
+        on_host = cfg.offload_embeddings == "on" and host_tables_possible(cfg, spec, device)
+
+        def fit(train, on_host: bool, sized=frozen):  # the choice for `train` over these frozen sizes
+            n_weights, packed = step_memory.frozen_on_device(spec, sized, train.quant, on_host)
+            return step_memory.choose(spec, train, n_weights, dtype, budget, source, packed,
+                                      offload=device.OFFLOADS, host=device.host_pinnable())
+        choice = fit(train, on_host)
+        if choice.checkpointing and cfg.offload_embeddings == "auto" and host_tables_possible(cfg, spec, device):
+            # memory binds: the input embedding moves to host memory, and the setting is chosen again
+            choice, on_host, cfg = fit(train, True), True, replace(cfg, offload_embeddings="on")
         if choice.need is not None and choice.need > budget and cfg.quantize_embeddings == "auto" and train.quant:
             # a QLoRA run (the loaded base keeps quantized layers) that no setting fits with dense tables
-            cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, dtype, budget, source, device, log)
+            cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, budget, fit, on_host, log)
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
         state_off = choice.state_off
         if choice.need is not None and choice.need > budget and device.KEEPS_QUANTIZED and not train.quant:
@@ -164,22 +201,19 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     return cfg, train
 
 
-def _embeddings_to_fit(cfg: TrainConfig, spec, train, frozen, dense, dtype, budget, source, device, log):
+def _embeddings_to_fit(cfg: TrainConfig, spec, train, frozen, dense, budget, fit, on_host: bool, log):
     """--quantize-embeddings auto where no setting fits the budget with dense embeddings: the same
-    choice with them in NF4 (a plain absmax) -> (cfg, train, choice); dense still, when the hidden
-    size has no whole NF4 blocks."""
+    choice (choose_checkpointing's `fit`) with them in NF4 (a plain absmax) -> (cfg, train, choice);
+    dense still, when the hidden size has no whole NF4 blocks."""
     from ..errors import LoracError
     from ..model.quant import embeddings
-    from . import memory as step_memory
     try:
         held = embeddings.held(spec, train, "nf4")
     except LoracError as e:
         if log is not None:
             log(f"embeddings: auto: dense ({e})")
         return cfg, train, dense
-    n_weights, packed = embeddings.frozen_with(spec, frozen, train.quant, held.quant)
-    choice = step_memory.choose(spec, held, n_weights, dtype, budget, source, packed, offload=device.OFFLOADS,
-                                host=device.host_pinnable())
+    choice = fit(held, on_host, embeddings.frozen_with(spec, frozen, train.quant, held.quant))
     if log is not None:
         log(f"embeddings: auto: nf4 (with dense embeddings even full checkpointing needs an estimated "
             f"{dense.need / 1e9:.1f} GB, more than the {budget / 1e9:.1f} GB budget; NF4 embeddings: "

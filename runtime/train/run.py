@@ -127,7 +127,8 @@ class Run:
             self.log(f"{device.NAME} GEMMs: {info}")
         self.engine = make_engine(cfg.backend, self.spec, self.train_spec, weights, cfg.target, cfg.dtype,
                                   cfg.cache_dir, self.optim_cfg, self.log, cuda_graph=not cfg.no_cuda_graph,
-                                  providers=cfg.ort_providers, ranks=self.plan.workers, tune=cfg.tune)
+                                  providers=cfg.ort_providers, ranks=self.plan.workers, tune=cfg.tune,
+                                  host_tables=host_tables(cfg, self.spec))
         del weights  # the device holds them now
         if self.adapter:
             self.adapter.check_shapes(self.engine.shapes)
@@ -254,6 +255,12 @@ def show_sample(run, lora, label: str) -> str | None:
 def _window(n_prompt: int, cfg: TrainConfig) -> int:
     """Forward-graph window for a sample: prompt plus new tokens, rounded up to 32."""
     return -(-(n_prompt + cfg.sample_tokens) // 32) * 32
+
+
+def host_tables(cfg: TrainConfig, spec) -> tuple:
+    """The tables the engine holds in host memory, as the plan resolved --offload-embeddings."""
+    from .memory import host_table
+    return (host_table(spec),) if cfg.offload_embeddings == "on" else ()
 
 
 def _model_hash(config: dict, path) -> str:

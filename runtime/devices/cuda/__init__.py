@@ -3,7 +3,7 @@
 bf16 attention on cuDNN's fused SDPA, packed documents in its ragged layout
 (runtime/devices/cuda/attention.py), the training step as CUDA
 graphs (compiler/targets/cuda binds_inputs), offloaded checkpoints in pinned host memory
-(runtime/devices/cuda/offload.py)."""
+(runtime/devices/cuda/offload.py), an embedding table the lookup reads from host memory (mapped.py)."""
 from __future__ import annotations
 
 from .cublas import gemm  # noqa: F401 - the device interface's GEMM library
@@ -36,6 +36,14 @@ def host_pinnable() -> int | None:
     """Host bytes offloaded values may pin (offload.py: a share of the host's available memory)."""
     from .offload import pinnable
     return pinnable()
+
+
+def host_table(shape, dtype: str):
+    """A CUDA tensor over pinned, mapped host memory and a numpy view to fill it (mapped.py)."""
+    import os
+
+    from .mapped import host_table as table
+    return table(shape, dtype, int(os.environ.get(WORKER_DEVICE, "0")))
 
 
 def unavailable(target: str) -> str | None:
