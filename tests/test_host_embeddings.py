@@ -2,7 +2,8 @@
 lookup reads it in place (runtime/devices/cuda/mapped.py). Here, without a GPU: the DLPack tensor
 over memory lorac owns, the engine's path for such a table (the CPU device standing in: a host
 tensor built the same way), which must train bit for bit as the table on the device does, the
-memory estimate and the plan's choices and errors. The GPU run itself: tests/test_gpu_host_embeddings.py."""
+memory estimate and the plan's choices and errors; on a CUDA GPU, the same equality with the table
+in mapped pinned memory (marked gpu)."""
 import ctypes
 
 import numpy as np
@@ -57,7 +58,7 @@ def _stand_in_table(made: list):
     return host_table
 
 
-def _train(model_dir, cache, host: tuple, bind: bool, monkeypatch):
+def _train(model_dir, cache, host: tuple, bind: bool, monkeypatch, target: str = "cpu"):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.runtime.engine import tvm as engine
     from lorac.runtime.model.weights import load_model
@@ -71,13 +72,14 @@ def _train(model_dir, cache, host: tuple, bind: bool, monkeypatch):
         step.bound_inputs = bind and "train-" in str(art)
         return step
 
-    monkeypatch.setattr(engine, "load_artifact", load_bound)
+    if target == "cpu":
+        monkeypatch.setattr(engine, "load_artifact", load_bound)
     cfg, weights = load_model(model_dir)
     spec = ModelSpec.from_hf_config(cfg)
     train = TrainSpec(batch=2, seq=11, lora_targets=tuple(spec.targets), rank=4, alpha=8.0)
     optim = LoraPlusConfig(lr=1e-2, loraplus_ratio=16.0, total_steps=4)
     logs = []
-    eng = engine.Engine(spec, train, weights, "cpu", cache_dir=cache, optim_cfg=optim, log=logs.append,
+    eng = engine.Engine(spec, train, weights, target, cache_dir=cache, optim_cfg=optim, log=logs.append,
                         host_tables=host)
     ids = np.random.default_rng(0).integers(0, spec.vocab, (2, 11)).astype(np.int64)
     zeros = {n: np.zeros(s, np.float32) for n, s in eng.shapes.items()}
@@ -86,6 +88,7 @@ def _train(model_dir, cache, host: tuple, bind: bool, monkeypatch):
     for t in range(1, 4):
         out = eng.step({"input_ids": ids, "labels": ids}, eng.lora)
         losses.append(out.pop("loss"))
+        losses.append(float(np.abs(out[sorted(out)[0]].numpy()).sum()))  # a gradient bucket's sum too
         eng.update(out, *group_lrs(t, optim), t)
     return eng, losses + [eng.eval_loss({"input_ids": ids, "labels": ids}, eng.lora)], logs
 
@@ -106,6 +109,18 @@ def test_a_table_in_host_memory_trains_as_the_device_copy(tmp_path, monkeypatch,
         assert eng._artifact("train")._buffers["model.embed_tokens.weight"] is table
     line = next(m for m in logs if m.startswith("cpu memory for training"))
     assert "of embeddings in host memory" in line
+
+
+@pytest.mark.gpu
+def test_a_table_in_mapped_host_memory_trains_as_the_device_copy_on_the_gpu(tmp_path, monkeypatch):
+    """The CUDA-graph step reading the input embedding from pinned host memory: the losses and
+    gradients of three steps (graph replays) equal the step's with the table on the GPU, bit for bit."""
+    pytest.importorskip("tvm")
+    model_dir = make_model_dir(tmp_path / "model", arch="llama", tie_word_embeddings=False)
+    _, plain, _ = _train(model_dir, tmp_path / "cache", (), True, monkeypatch, "cuda")
+    eng, held, logs = _train(model_dir, tmp_path / "cache", ("model.embed_tokens.weight",), True, monkeypatch, "cuda")
+    assert held == plain
+    assert eng._weights["model.embed_tokens.weight"].device.dlpack_device_type() == 2  # a CUDA tensor
 
 
 def test_a_device_without_host_tables_refuses_them(tmp_path):
