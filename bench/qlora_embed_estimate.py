@@ -46,7 +46,7 @@ def base_sizes(spec, quant) -> tuple[int, int]:
     return dense, packed
 
 
-def plan_case(config: dict, batch: int, seq: int, budget: float, embeddings: str) -> dict:
+def plan_case(config: dict, batch: int, seq: int, budget: float, embeddings: str, host: str = "auto") -> dict:
     from lorac.graphs import ModelSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.ops.quant import Quant
@@ -59,15 +59,17 @@ def plan_case(config: dict, batch: int, seq: int, budget: float, embeddings: str
     quant = tuple(sorted((fam.weight_name(i, t), Quant("nf4", 64, True)) for i in range(spec.layers) for t in fam.TARGETS))
     frozen = base_sizes(spec, quant)
     cfg = TrainConfig(target="cuda", batch=batch, seq=seq, rank=16, alpha=32.0, memory_budget=budget,
-                      quantize_embeddings=embeddings)
+                      quantize_embeddings=embeddings, offload_embeddings=host)
     lines = []
     plan = plan_run(cfg, spec, config, frozen, quant=quant, log=lines.append)
     t = plan.train
     from lorac.runtime.model.quant.embeddings import frozen_with
     n_weights, packed = frozen_with(spec, frozen, quant, t.quant)
+    n_weights, packed = memory.frozen_on_device(spec, (n_weights, packed), t.quant, plan.cfg.offload_embeddings == "on")
     need = memory.estimate(spec, t, n_weights, "bfloat16", packed)
     return {"case": f"{batch}x{seq}", "budget_gb": budget, "embeddings": embeddings,
-            "resolved": plan.cfg.quantize_embeddings, "checkpointing": plan.cfg.checkpointing,
+            "resolved": plan.cfg.quantize_embeddings, "input_table_on_host": plan.cfg.offload_embeddings == "on",
+            "checkpointing": plan.cfg.checkpointing,
             "keep_layers": t.keep_layers, "loss_chunk": t.loss_chunk, "estimate_gb": round(need / 1e9, 3),
             "fits": need <= int(budget * 1e9) - memory.WORKSPACE,
             "frozen_dense_gb": round(2 * n_weights / 1e9, 3), "frozen_quantized_gb": round(packed / 1e9, 3),
@@ -81,12 +83,15 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="8,10,48", help="GB, comma-separated (--memory-budget)")
     ap.add_argument("--shapes", default="1x2048,4x2048", help="BxS, comma-separated")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--offload-embeddings", default="auto", choices=("auto", "on", "off"),
+                    help="as lorac train's: the input table in host memory (auto: where the step checkpoints)")
     args = ap.parse_args(argv)
     for model in args.models.split(","):
         for shape in args.shapes.split(","):
             b, s = (int(x) for x in shape.split("x"))
             for budget in (float(x) for x in args.budgets.split(",")):
-                rows = {e: plan_case(MODELS[model], b, s, budget, e) for e in ("off", "nf4", "int8", "auto")}
+                rows = {e: plan_case(MODELS[model], b, s, budget, e, args.offload_embeddings)
+                        for e in ("off", "nf4", "int8", "auto")}
                 for e, row in rows.items():
                     print(json.dumps({"model": model, **row}), flush=True)
                 dense = rows["off"]
