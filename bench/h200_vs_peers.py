@@ -126,6 +126,8 @@ CASES = {
                                                                    "embed_host": True}, ["fast:unsloth-4bit-gc"]),
     "8b-1x2048-nf4-auto8-eh": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "memory_budget": 8.0, "embed_host": True},
                                ["fast:unsloth-4bit-gc"]),
+    "8b-1x2048-nf4e-auto8-eh": (LLAMA3_8B, "llama3-8b", 1, 2048, {"quant": "nf4", "embed": "nf4", "memory_budget": 8.0,
+                                                                  "embed_host": True}, ["fast:unsloth-4bit-gc"]),
     # the same keeping one layer more than auto picks for 10 GB (--keep-layers 3 --checkpointing offload)
     "8b-4x2048-nf4e-keep3": (LLAMA3_8B, "llama3-8b", 4, 2048, {"quant": "nf4", "embed": "nf4", "checkpointing": True,
                                                                "keep_layers": 3, "offload": True},
