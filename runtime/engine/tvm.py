@@ -99,8 +99,7 @@ class Engine(Graphs):
     def _place(self, step, spec: dict, value):
         """`value` where `step` reads input `spec`: on the device (Step.upload), or for a table held in
         host memory, copied once into pinned host memory the device maps and then passed as it is."""
-        name = spec["name"]
-        if not any(name == t or name.startswith(f"{t}.") for t in self.host_tables):
+        if not _of_tables(spec["name"], self.host_tables):
             return step.upload(spec, value)
         if isinstance(value, np.ndarray):
             arr = step.checked(spec, value)  # converted to the artifact's dtype
@@ -197,6 +196,12 @@ class Engine(Graphs):
         return step({**self._weights, **self._feed(step, lora), "input_ids": ids})["logits"]
 
 
+def _of_tables(name: str, tables: tuple) -> bool:
+    """Whether artifact input `name` is one of `tables` (HF names) or, for a quantized one, one of its
+    blocks and scales (the table's name plus a suffix: graphs/ops/quant.py)."""
+    return any(name == t or name.startswith(f"{t}.") for t in tables)
+
+
 def memory_summary(manifest, lora_shapes: dict, device: str, tables: tuple = (), host: tuple = ()) -> str:
     """One line on what a training step holds on its device: the compiled step's static
     plan (activations and workspace), the frozen weights as the artifact takes them (the
@@ -205,9 +210,8 @@ def memory_summary(manifest, lora_shapes: dict, device: str, tables: tuple = (),
     gradients and AdamW moments (fp32)."""
     plan = manifest.static_plan_bytes
     size = lambda i: int(np.prod(i["shape"])) * as_dtype(i["dtype"]).itemsize
-    of = lambda names: lambda i: any(i["name"] == t or i["name"].startswith(f"{t}.") for t in names)
-    on_host = [i for i in manifest.inputs if of(host)(i)]
-    inputs = [i for i in manifest.inputs if not of(host)(i)]
+    on_host = [i for i in manifest.inputs if _of_tables(i["name"], host)]
+    inputs = [i for i in manifest.inputs if not _of_tables(i["name"], host)]
     frozen = sum(size(i) for i in inputs if i["name"].endswith((".weight", ".bias")) and "lora_" not in i["name"])
     # a quantized weight's inputs are its name plus a suffix (graphs/ops/quant.py): blocks and scales
     packed = sum(size(i) for i in inputs if ".weight." in i["name"] and "lora_" not in i["name"])

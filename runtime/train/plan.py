@@ -98,12 +98,11 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
     frozen = embeddings.frozen_with(spec, frozen, quant, train.quant)  # the tables the run quantizes
     if cfg.quantize_embeddings != "off":
         log(f"embeddings: {embeddings.describe(spec, train.quant, cfg.dtype or device.DEFAULT_DTYPE, train.head_slices)}")
-    cfg = plan_host_tables(cfg, spec, train, device, log)
+    cfg, on_gpu = plan_host_tables(cfg, spec, train, frozen, device, log)
     train.validate(spec)
     # before any compile: an impossible size would only fill memory
     limits.check_context(cfg.seq, model_config, "--seq")
     limits.check_rank(spec, train)
-    on_gpu = memory.frozen_on_device(spec, frozen, train.quant, cfg.offload_embeddings == "on")
     limits.check_memory(spec, train, on_gpu[0], device, on_gpu[1])
     return Plan(cfg, spec, train, device, workers)
 
@@ -114,9 +113,10 @@ def host_tables_possible(cfg: TrainConfig, spec, device) -> bool:
     return memory.host_table(spec) is not None and device.host_table is not None and cfg.backend == "tvm"
 
 
-def plan_host_tables(cfg: TrainConfig, spec, train, device, log) -> TrainConfig:
+def plan_host_tables(cfg: TrainConfig, spec, train, frozen: tuple[int, int], device, log):
     """--offload-embeddings resolved (auto: on where the step checkpoints and the table may move;
-    choose_checkpointing may have decided it already, to fit its budget) and logged."""
+    choose_checkpointing may have decided it already, to fit its budget) and logged -> (cfg, the
+    frozen sizes the device holds: memory.frozen_on_device)."""
     name = memory.host_table(spec)
     if cfg.offload_embeddings == "on" and name is None:
         raise LoracError("--offload-embeddings on: this model's input embedding is also its LM head (tied "
@@ -124,14 +124,13 @@ def plan_host_tables(cfg: TrainConfig, spec, train, device, log) -> TrainConfig:
     if cfg.offload_embeddings == "auto":
         on = host_tables_possible(cfg, spec, device) and train.checkpointing
         cfg = replace(cfg, offload_embeddings="on" if on else "off")
-    if cfg.offload_embeddings == "on":
-        from ..model.quant.embeddings import table_bytes
-        held = dict(train.quant)
-        size = table_bytes(spec, ((name, held[name]),)) if name in held else \
-            spec.vocab * spec.hidden * (2 if (cfg.dtype or device.DEFAULT_DTYPE) == "bfloat16" else 4)
+    on_gpu = memory.frozen_on_device(spec, frozen, train.quant, cfg.offload_embeddings == "on")
+    if on_gpu != frozen:
+        itemsize = 2 if (cfg.dtype or device.DEFAULT_DTYPE) == "bfloat16" else 4
+        size = (frozen[0] - on_gpu[0]) * itemsize + frozen[1] - on_gpu[1]
         log(f"embeddings: {name} waits in pinned host memory ({size / 1e9:.2f} GB off the GPU); the lookup reads "
             "the rows of each step's tokens over PCIe (--offload-embeddings)")
-    return cfg
+    return cfg, on_gpu
 
 
 def plan_embeddings(cfg: TrainConfig, spec, train, *, saved=None):
