@@ -33,7 +33,7 @@ def _init():
     global _lib
     if _lib is not None:
         return
-    from lorac.runtime.devices.cuda.cublas import load_library
+    from lorac.runtime.devices.cuda.cudart import load_library
     lib = load_library("libcublasLt")
     if lib.cublasLtCreate(ctypes.byref(_handle)) != 0:
         raise LoracError("cublasLtCreate failed")

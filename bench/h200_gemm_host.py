@@ -34,6 +34,7 @@ def main() -> None:
     from lorac.runtime.devices.cuda import loader as cuda_loader
     from lorac.runtime.engine import gemm
     from lorac.runtime.devices.cuda import cublas as gemm_cuda
+    from lorac.runtime.devices.cuda import cudart
 
     cuda_loader._ensure_cuda_device_api()
     gemm.register()
@@ -55,7 +56,7 @@ def main() -> None:
         f(h, opb, opa, n_, m_, k_, ctypes.byref(one), pb, bt, ldb, sb, pa, at, lda, sa, ctypes.byref(zero),
           po, ot, ldc, sc, batch, 68, -1)
 
-    rt = gemm_cuda.load_library("libcudart")
+    rt = cudart.runtime()
     r = {
         "ffi_registered_gemm_us": per_call_us(lambda: ffi_gemm(a, b, out)),
         "python_gemm_cuda_us": per_call_us(lambda: gemm_cuda.gemm(False, True, a, b, out)),

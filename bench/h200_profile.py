@@ -119,7 +119,7 @@ def _gpu_busy(step, args) -> dict:
 
     import tvm_ffi
 
-    from lorac.runtime.devices.cuda.cublas import load_library
+    from lorac.runtime.devices.cuda.cudart import load_library
 
     rt = load_library("libcudart")
     get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream

@@ -263,7 +263,7 @@ def prepare(cache: str, cases: list[str]) -> None:
 
 
 def _gpu_used() -> int:
-    from lorac.runtime.devices.cuda.cublas import load_library
+    from lorac.runtime.devices.cuda.cudart import load_library
     cudart = load_library("libcudart")
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))

@@ -104,7 +104,7 @@ class Nccl:
 
 def load(path: str | None = None) -> Nccl:
     """libnccl from the nvidia-nccl wheel (any site dir), CUDA_HOME or the loader path, or `path`."""
-    from ..devices.cuda.cublas import _candidates
+    from ..devices.cuda.cudart import _candidates
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     tried = [path] if path else _candidates("libnccl")
     for p in tried:
@@ -120,11 +120,8 @@ class _Cudart:
     NOT_READY = 600  # cudaErrorNotReady
 
     def __init__(self):
-        from ..devices.cuda.cublas import load_library
-        lib = self.lib = load_library("libcudart")
-        for name, args in (("cudaSetDevice", [_i]), ("cudaEventCreateWithFlags", [ctypes.POINTER(_p), ctypes.c_uint]),
-                           ("cudaEventRecord", [_p, _p]), ("cudaEventQuery", [_p]), ("cudaEventDestroy", [_p])):
-            getattr(lib, name).restype, getattr(lib, name).argtypes = _i, args
+        from ..devices.cuda.cudart import runtime
+        self.lib = runtime()
 
     def check(self, status: int, what: str) -> None:
         if status:

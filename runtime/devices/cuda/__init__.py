@@ -98,8 +98,8 @@ def memory_info() -> tuple[int, int] | None:
 
     from ...errors import LoracError
     try:
-        from .cublas import load_library
-        cudart = load_library("libcudart")
+        from .cudart import runtime
+        cudart = runtime()
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
             return None

@@ -41,6 +41,7 @@ import ctypes
 import numpy as np
 
 from ...errors import LoracError
+from .cudart import load_library, stream_getter
 from .documents import Documents, groups_for
 from .sdpa import Plan
 
@@ -64,7 +65,6 @@ PACKED = {"max_seq": "row", "bounds": (), "deterministic": False, "implementatio
 _cudnn = None  # the module, imported on first use
 _handle = None
 _stream = [None]
-_get_stream = None
 _plans: dict = {}  # (function, B, S, H, K, Dh, mask) -> [Plan] (ragged: one a group; the scale from the manifest)
 _documents: dict = {}  # (B, S) -> Documents: what the ragged calls of that shape read
 _reserved = {"per_row": None, "longest": None}  # reserve_documents (None: every token a document, S)
@@ -75,7 +75,6 @@ def _init() -> None:
     global _cudnn, _handle
     if _handle is not None:
         return
-    from .cublas import load_library
     for name in ("libcudart", "libcublasLt", "libnvrtc"):  # cuDNN's engines load these by soname
         try:
             load_library(name)
@@ -133,12 +132,7 @@ def _key(call: dict) -> tuple:
 
 
 def _set_stream(device_index: int) -> None:
-    global _get_stream
-    if _get_stream is None:  # TVM launches its kernels on the stream this names (a capture stream while recording)
-        import tvm_ffi
-        _get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
-        _get_stream.restype, _get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
-    stream = _get_stream(2, device_index)  # kDLCUDA
+    stream = stream_getter()(2, device_index)  # kDLCUDA: the stream TVM launches on
     if stream != _stream[0]:
         _cudnn.set_stream(_handle, stream or 0)
         _stream[0] = stream

@@ -14,11 +14,9 @@ zero stride for a 2-D operand shared by every batch.
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
-import sys
 
 from ...errors import LoracError
+from .cudart import load_library, stream_getter
 
 _OP_N, _OP_T = 0, 1
 _R_32F, _R_16BF = 0, 14  # cudaDataType
@@ -33,26 +31,6 @@ _get_stream = None
 _stream = [None]  # the stream the cuBLAS handle is set to
 _plans: dict = {}  # (ta, tb, shapes, dtypes) -> cuBLAS arguments other than the pointers
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
-
-
-def _candidates(name: str) -> list[str]:
-    """libcublas from pip's nvidia-* wheels (any site dir), CUDA_HOME, then the loader path."""
-    out = []
-    for base in sys.path:
-        out += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", name + ".so*")), reverse=True)
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home:
-            out += sorted(glob.glob(os.path.join(home, "lib64", name + ".so*")), reverse=True)
-    return out + [name + ".so.13", name + ".so.12", name + ".so"]
-
-
-def load_library(name: str) -> ctypes.CDLL:
-    for path in _candidates(name):
-        try:
-            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            continue
-    raise LoracError(f"CUDA artifact needs {name} (CUDA toolkit or the nvidia pip wheels); not found")
 
 
 def _init():

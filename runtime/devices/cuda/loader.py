@@ -24,7 +24,7 @@ def _ensure_cuda_device_api() -> None:
 
     if tvm_ffi.get_global_func("device_api.cuda", allow_missing=True) is not None:
         return
-    from .cublas import load_library
+    from .cudart import load_library
     load_library("libcudart")
     import tvm
     lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"

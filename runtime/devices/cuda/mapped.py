@@ -19,28 +19,14 @@ from lorac.core.dtypes import as_dtype
 
 from ...errors import LoracError
 from .. import _dlpack as dlpack
+from .cudart import runtime
 
 _MAPPED, _PORTABLE = 0x02, 0x01  # cudaHostAllocMapped | cudaHostAllocPortable
-_rt = None
-
-
-def _cudart():
-    global _rt
-    if _rt is None:
-        from .cublas import load_library
-        rt = load_library("libcudart")
-        p = ctypes.c_void_p
-        rt.cudaHostAlloc.argtypes = [ctypes.POINTER(p), ctypes.c_size_t, ctypes.c_uint]
-        rt.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(p), p, ctypes.c_uint]
-        rt.cudaFreeHost.argtypes = [p]
-        _rt = rt
-    return _rt
-
 
 def host_table(shape, dtype: str, device_id: int = 0):
     """(a TVM tensor on CUDA device `device_id` whose memory is pinned host memory, a numpy array
     over the same bytes to fill it). The memory is freed when TVM drops the tensor."""
-    rt = _cudart()
+    rt = runtime()
     n = dlpack.nbytes(shape, dtype)
     host = ctypes.c_void_p()
     status = rt.cudaHostAlloc(ctypes.byref(host), max(n, 1), _MAPPED | _PORTABLE)

@@ -40,6 +40,7 @@ import ctypes
 from lorac.core.constants import OFFLOAD_KEEP_ALIVE as KEEP_ALIVE
 
 from ...errors import LoracError
+from .cudart import runtime, stream_getter
 
 OFFLOAD, FETCH = "lorac.offload", "lorac.fetch"
 _D2D, _D2H, _H2D = 3, 2, 1  # cudaMemcpyKind
@@ -57,22 +58,8 @@ def _check(status: int, what: str) -> None:
 
 def _init() -> None:
     global _rt, _get_stream
-    if _rt is not None:
-        return
-    from .cublas import load_library
-    rt = load_library("libcudart")
-    p, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    rt.cudaMemcpyAsync.argtypes = [p, p, sz, i, p]
-    rt.cudaHostAlloc.argtypes = [ctypes.POINTER(p), sz, ctypes.c_uint]
-    rt.cudaMalloc.argtypes = [ctypes.POINTER(p), sz]
-    rt.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(p), ctypes.c_uint]
-    rt.cudaEventRecord.argtypes = [p, p]
-    rt.cudaStreamWaitEvent.argtypes = [p, p, ctypes.c_uint]
-    rt.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(p), ctypes.c_uint]
-    import tvm_ffi
-    _get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
-    _get_stream.restype, _get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
-    _rt = rt
+    if _rt is None:
+        _rt, _get_stream = runtime(), stream_getter()
 
 
 def _event():
