@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from .ops.attention import Mask, attention_backward, attention_forward, attention_saved
 from .builder import GraphBuilder
-from .ops.linear import (Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward,
-                         lora_inputs, projection_backward)
+from .ops.linear import (Proj, add_lora, frozen_weight, gather_rows, group_backward, linear_forward,
+                         linear_group_forward, lora_inputs, projection_backward)
 from .ops.mlp import swiglu_backward, swiglu_forward
 from .ops.norm import rmsnorm_apply, rmsnorm_backward, rmsnorm_forward, rmsnorm_stats
 from .ops.rope import rope_at, rope_backward, rope_forward, rope_tables
@@ -271,14 +271,20 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     B, K, G, S, Dh = c.dims
     N = B * S
 
+    def names(t):
+        return lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
+
     def proj_back(dout, x, t, want_dx=True):
-        names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
-        return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
+        return projection_backward(g, grads, names(t), dout, x, s.u[t], L.proj[t], want_dx)
+
+    def group_back(douts, x, ts, want_dx=True):  # projections of one x: their LoRA terms joined
+        return group_backward(g, grads, [names(t) for t in ts], douts, x, [s.u[t] for t in ts],
+                              [L.proj[t] for t in ts], want_dx)
 
     h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing, fresh=c.fresh)
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)
     dgt, dup = gated_mlp_backward(g, proj_back, dy, s, act)
-    dh2 = g.add_all(proj_back(dgt, h2, "gate_proj"), proj_back(dup, h2, "up_proj"))
+    dh2 = group_back([dgt, dup], h2, GATE_UP)
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.post_norm, s.n2))
     # attention block: x1 = x + o(attn(rope(q), rope(k), v)), q, k, v from h1 = norm(x)
     da2 = proj_back(dx1, s.a2, "o_proj")
@@ -291,10 +297,9 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     dq = g.reshape(dq4, N, K * G * Dh)
     dk = g.reshape(dk4, N, K * Dh)
     dv = g.reshape(dv4, N, K * Dh)
-    dh1 = [proj_back(d, h1, t, need_dx) for d, t in zip((dq, dk, dv), QKV)]
+    dh1 = group_back([dq, dk, dv], h1, QKV, need_dx)  # one accumulating GEMM on GPUs (compiler/passes/gemm_sum.py)
     if not need_dx:
         return None
-    dh1 = g.add_all(*dh1)  # one accumulating GEMM chain on GPUs (compiler/passes/gemm_sum.py)
     return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.in_norm, s.n1))
 
 

@@ -31,8 +31,8 @@ import onnx_ir as ir
 from ..ops.attention import AttentionSaved, Mask, attention_backward, attention_forward
 from ..decoder import Ctx, describe, projection_inputs  # noqa: F401 - the decoders' context (RoPE tables, dims) and doc line
 from ..decoder import EMBEDDINGS, declare_embedding, declare_head  # noqa: F401 - HF's embedding names, read as the decoders'
-from ..ops.linear import (Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward,
-                          projection_backward)
+from ..ops.linear import (Proj, add_lora, frozen_weight, gather_rows, group_backward, linear_forward,
+                          linear_group_forward, projection_backward)
 from ..ops.mlp import geglu_backward, geglu_forward
 from ..ops.norm import rmsnorm_backward, rmsnorm_forward
 from ..ops.rope import rope_backward, rope_forward
@@ -181,16 +181,22 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     B, K, G, S, Dh = c.dims
     N, H = B * S, K * G
 
+    def names(t):
+        return lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
+
     def proj_back(dout, x, t, want_dx=True):
-        names = lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
-        return projection_backward(g, grads, names, dout, x, s.u[t], L.proj[t], want_dx)
+        return projection_backward(g, grads, names(t), dout, x, s.u[t], L.proj[t], want_dx)
+
+    def group_back(douts, x, ts, want_dx=True):  # projections of one x: their LoRA terms joined
+        return group_backward(g, grads, [names(t) for t in ts], douts, x, [s.u[t] for t in ts],
+                              [L.proj[t] for t in ts], want_dx)
 
     h1, h2, act = projection_inputs(g, s, L.norms["input_layernorm"], L.norms["pre_feedforward_layernorm"],
                                     geglu_forward, lean=c.train.checkpointing, fresh=c.fresh)
     # MLP block: x_out = x1 + post_ffw_norm(down(geglu(gate(h2), up(h2)))), h2 = pre_ffw_norm(x1)
     ddn = rmsnorm_backward(g, dy, L.norms["post_feedforward_layernorm"], s.n_ffw)
     dgate, dup = geglu_backward(g, proj_back(ddn, act, "down_proj"), s.gate, s.up)
-    dh2 = g.add_all(proj_back(dgate, h2, "gate_proj"), proj_back(dup, h2, "up_proj"))
+    dh2 = group_back([dgate, dup], h2, GATE_UP)
     dx1 = g.op("Add", dy, rmsnorm_backward(g, dh2, L.norms["pre_feedforward_layernorm"], s.n2))
     # attention block: x1 = x + post_attn_norm(o(attn(rope(q), rope(k), v))), q, k, v from in_norm(x)
     do = rmsnorm_backward(g, dx1, L.norms["post_attention_layernorm"], s.n_attn)
@@ -198,10 +204,10 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     dqr, dkr, dv = attention_backward(g, g.reshape(da2, B, S, H, Dh), s.att, c.dims)
     dq = g.reshape(rope_backward(g, dqr, c.cos, c.sin, Dh), N, H * Dh)
     dk = g.reshape(rope_backward(g, dkr, c.cos, c.sin, Dh), N, K * Dh)
-    dh1 = [proj_back(d, h1, t, need_dx) for d, t in zip((dq, dk, g.reshape(dv, N, K * Dh)), QKV)]
+    dh1 = group_back([dq, dk, g.reshape(dv, N, K * Dh)], h1, QKV, need_dx)
     if not need_dx:
         return None
-    return g.op("Add", dx1, rmsnorm_backward(g, g.add_all(*dh1), L.norms["input_layernorm"], s.n1))
+    return g.op("Add", dx1, rmsnorm_backward(g, dh1, L.norms["input_layernorm"], s.n1))
 
 
 def lora_tensor_names(spec: Gemma2Spec, train) -> list[str]:
