@@ -189,7 +189,9 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
                     narrow_residuals(mod)
             if acc:
                 from .passes.gemm_lora_k import concat_lora_gemms
-                mod, gemm["lora_k_concat"], gemm["lora_k_resident"] = concat_lora_gemms(mod)
+                mod, gemm["lora_k_concat"], gemm["lora_k_resident"], gemm["lora_du_columns"], more = \
+                    concat_lora_gemms(mod)
+                gemm["accumulating"] = sorted(set(acc) | set(more))
     return mod, units, unit_calls, gemm
 
 

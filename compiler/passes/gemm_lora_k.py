@@ -262,9 +262,10 @@ def _join_columns(values: list):
     return relax.op.reshape(relax.op.concat(blocks, axis=1), [rows, sum(n for _, n in shapes)])
 
 
-def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict]:
+def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict, int, list]:
     """-> (module, how many projections became one GEMM, {name of a parameter held joined: its own
-    width})."""
+    width}, how many input gradients also write the du of weights held joined (gemm_lora_du.py),
+    the accumulating GEMM names that added)."""
     plan, bound = {}, {}
     for gv, func in mod.functions_items():
         if not (isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr)):
@@ -285,7 +286,7 @@ def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict]:
     weight = lambda v: _operands(bound[v], bound)[3]  # noqa: E731 (W of a planned projection, aliases followed)
     plan = {v: p for v, p in plan.items() if not _from_parameter(bound, weight(v)) or weight(v) in resident}
     if not plan:
-        return mod, 0, {}
+        return mod, 0, {}, 0, []
     rewriter = _Join(mod, plan, bound, resident)
     mod = rewrite_functions(rewriter, mod)
     if rewriter.held:
@@ -293,4 +294,10 @@ def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict]:
         params = [rewriter.held.get(p, p) for p in func.params]
         mod["main"] = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
     mod = relax.transform.DeadCodeElimination()(mod)  # the aliases the joins skip
-    return mod, rewriter.rewritten, {p.name: _static_shape(p.ty)[1] for p in rewriter.held}
+    # the backward's du of each weight held joined, from the columns of its input gradient's GEMM
+    from .gemm_lora_du import lora_du_columns
+    by_name = {p.name: p for p in mod["main"].params}
+    held = {by_name[new.name]: (_static_shape(p.ty)[1], n, r, k) for p, new in rewriter.held.items()
+            for n, k, r in [resident[p]] if new.name in by_name}
+    mod, du_columns, names = lora_du_columns(mod, held)
+    return mod, rewriter.rewritten, {p.name: _static_shape(p.ty)[1] for p in rewriter.held}, du_columns, names
