@@ -469,11 +469,14 @@ def test_only_widened_unsigned_indices_lose_their_wrap():
     np.testing.assert_array_equal(run(out)[0], u.astype(np.float32) * 0.5)
 
 
-def test_held_joined_weights_give_du_from_the_input_gradients_columns():
+@pytest.mark.parametrize("held", [True, False])
+def test_du_comes_from_the_input_gradients_columns(held):
     """compiler/passes/gemm_lora_du.py on a hand-made backward (fp32, run on the CPU with lorac's
-    GEMMs): two weights held joined ([W1 | B1 | 0], [W2 | 0 | B2], B written in place), du_k = dy_k B_k
-    as thin GEMMs and dx = du A + dy1 W1 + dy2 W2 as one accumulating call become one GEMM over the
-    whole rows, [dx's frozen part | du_1 | du_2], the thin GEMMs gone; dx and both du equal numpy's."""
+    GEMMs): du_k = dy_k B_k as thin GEMMs and dx = du A + dy1 W1 + dy2 W2 as one accumulating call
+    become one GEMM over joined rows, [dx's frozen part | du_1 | du_2], the thin GEMMs gone; dx and
+    both du equal numpy's. Held: two parameters held joined ([W1 | B1 | 0], [W2 | 0 | B2], B written in
+    place by the tail kernels); not held: weights computed in the step (a dequantization; a scale
+    here), joined with their B where the GEMM reads them."""
     import numpy as np
     import tvm
     from tvm import relax
@@ -482,28 +485,29 @@ def test_held_joined_weights_give_du_from_the_input_gradients_columns():
     from lorac.compiler.passes.gemm_lora_k import tail_kernel
     from lorac.runtime.engine import gemm as gemms
     T, K, N, r = 12, 20, 24, 4
-    W = K + 2 * r
+    W = K + 2 * r if held else K
     f32 = lambda *shape: relax.TensorType(shape, "float32")  # noqa: E731
     dy1, dy2, w1, w2, b1, b2, a = (relax.Var(n, f32(*sh)) for n, sh in (
         ("dy1", (T, N)), ("dy2", (T, N)), ("w1", (N, W)), ("w2", (N, W)), ("b1", (N, r)), ("b2", (N, r)),
         ("a", (2 * r, K))))
     bb = relax.BlockBuilder()
-    tails = [bb.add_func(tail_kernel(N, W, r, K + k * r, "float32", gpu=False), f"tail{k}") for k in (0, 1)]
+    tails = [bb.add_func(tail_kernel(N, W, r, K + k * r, "float32", gpu=False), f"tail{k}") for k in (0, 1)] if held else []
     with bb.function("main", [dy1, dy2, w1, w2, b1, b2, a]):
         with bb.dataflow():
             # (in the step each tail's result is the forward's joined GEMM operand: outputs here, kept)
             written = [bb.emit(relax.call_tir_inplace(tail, [w, b], [0], f32(N, W)))
                        for tail, w, b in zip(tails, (w1, w2), (b1, b2))]
+            ws = (w1, w2) if held else [bb.emit(relax.op.multiply(w, relax.const(0.5, "float32"))) for w in (w1, w2)]
             du1 = bb.emit(relax.call_dps_packed("lorac.gemm_nn", [dy1, b1], f32(T, r)))
             du2 = bb.emit(relax.call_dps_packed("lorac.gemm_nn", [dy2, b2], f32(T, r)))
             du = bb.emit(relax.op.concat([du1, du2], axis=1))
-            dx = bb.emit(relax.call_dps_packed("lorac.gemm_acc_nnnnnn", [du, a, dy1, w1, dy2, w2], f32(T, K)))
+            dx = bb.emit(relax.call_dps_packed("lorac.gemm_acc_nnnnnn", [du, a, dy1, ws[0], dy2, ws[1]], f32(T, K)))
             out = bb.emit_output(relax.Tuple([dx, du1, du2, *written]))
         bb.emit_func_output(out)
-    mod, n, names = lora_du_columns(bb.get(), {w1: (K, 2, r, 0), w2: (K, 2, r, 1)})
+    mod, n, names = lora_du_columns(bb.get(), {w1: (K, 2, r, 0), w2: (K, 2, r, 1)} if held else {})
     text = mod["main"].script()
     assert n == 1 and names == ["lorac.gemm_acc_nnnn"], (n, names)
-    assert '"lorac.gemm_acc_nnnn", (dy1, w1, dy2, w2), out_ty=R.Tensor((12, 28)' in text, text
+    assert f'"lorac.gemm_acc_nnnn", (dy1, {"w1" if held else "lv"}' in text and f"R.Tensor(({T}, {K + 2 * r})" in text, text
     assert '"lorac.gemm_nn", (dy1, b1)' not in text and '"lorac.gemm_nn", (du' not in text
     gemms.register()
     gemms.register_accumulating(names)
@@ -511,10 +515,12 @@ def test_held_joined_weights_give_du_from_the_input_gradients_columns():
     rng = np.random.default_rng(3)
     vals = {v.name: rng.standard_normal([int(d) for d in v.ty.shape]).astype(np.float32)
             for v in (dy1, dy2, w1, w2, b1, b2, a)}
-    for name in ("w1", "w2"):
-        vals[name][:, K:] = 0.0  # the slots as uploaded; the tails write each B into its own
+    if held:
+        for name in ("w1", "w2"):
+            vals[name][:, K:] = 0.0  # the slots as uploaded; the tails write each B into its own
     got = [x.numpy() for x in vm["main"](*[tvm.runtime.tensor(vals[v.name]) for v in (dy1, dy2, w1, w2, b1, b2, a)])]
+    scale = 1.0 if held else 0.5
     want_du = [vals["dy1"] @ vals["b1"], vals["dy2"] @ vals["b2"]]
-    want_dx = vals["dy1"] @ vals["w1"][:, :K] + vals["dy2"] @ vals["w2"][:, :K] + np.concatenate(want_du, 1) @ vals["a"]
+    want_dx = scale * (vals["dy1"] @ vals["w1"][:, :K] + vals["dy2"] @ vals["w2"][:, :K]) + np.concatenate(want_du, 1) @ vals["a"]
     for g, w in zip(got[:3], [want_dx, *want_du]):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,10 @@ the sum is read. du now comes out of a bf16 output (it was an fp32 one that the 
 bf16 right after scaling it by s): one rounding more on a value rounded anyway.
 
 Applies where every frozen term of an accumulating call is a held weight of one join (the same
-slots, each slot once), each with a du GEMM of the same dy against the B written into its slot.
+slots, each slot once), each with a du GEMM of the same dy against the B written into its slot; and
+where they are weights computed in the step (dequantized: NF4, int8, GGUF), each with one du GEMM of
+its dy, at least two of them and together at least as wide as their input (q/k/v, gate/up): those
+are joined with their B here, [W_k | 0 | B_k | 0], in the kernel that dequantizes them.
 """
 from __future__ import annotations
 
@@ -67,112 +70,198 @@ def _slots(block, bound: dict, held: dict) -> dict:
     return out
 
 
-def _plan(block, bound: dict, held: dict) -> tuple[dict, dict, dict]:
-    """-> ({du var: (group, slot)}, {input-gradient var: (group, its other terms)}, {group: (first
-    du var, [(dy, held weight)], in, joined width, r, output dtype)}); a group is keyed by its
-    input-gradient var."""
+def _computed(bound: dict, w) -> bool:
+    """Whether w is computed in the step (a dequantization), not a parameter or a view of one: its
+    join is then free (FuseOps writes the wider rows in the kernel that makes w); a parameter's
+    would copy it every step."""
+    from .gemm_lora_k import _from_parameter
+    return w in bound and not _from_parameter(bound, w)
+
+
+def _plan(block, bound: dict, held: dict) -> tuple[dict, dict]:
+    """-> ({du var: group}, {input-gradient var: group}); a group is a dict: `frozen` [(dy, W, slot,
+    B or None)] (B: the weight is joined here, None: held joined), `rest` (the call's other
+    terms), `inp`, `width`, `r`, `dtype`, `after` (the binding after which the joined GEMM and the
+    du columns are emitted, None: before the first du GEMM), `dus` [(du var, slot)]."""
     slots = _slots(block, bound, held)
-    pos = {b.var: i for i, b in enumerate(block.bindings)}
-    du_of: dict = {}  # (dy, B) -> the var of dy B
-    for b in block.bindings:
+    binds = list(block.bindings)
+    pos = {b.var: i for i, b in enumerate(binds)}
+    first_use: dict = {}
+    for i, b in enumerate(binds):
+        for v in relax.analysis.free_vars(b.value):
+            first_use.setdefault(v, i)
+    du_of: dict = {}  # dy -> [(B, the var of dy B)]
+    for b in binds:
         g = _gemm(b.value)
         if g is not None and g[0] == "nn":
-            du_of[(_root(bound, g[1][0]), _root(bound, g[1][1]))] = b.var
-    dus, accs, groups = {}, {}, {}
-    for b in block.bindings:
+            du_of.setdefault(_root(bound, g[1][0]), []).append((_root(bound, g[1][1]), b.var))
+    dus, accs = {}, {}
+    for b in binds:
         g = _gemm(b.value)
         if g is None or not b.value.args[0].global_symbol.startswith(ACC_PREFIX):
             continue
         letters, fields = g
         pairs = [(fields[i], fields[i + 1], letters[i:i + 2]) for i in range(0, len(fields), 2)]
-        is_held = [lay == "nn" and _root(bound, w) in held for _, w, lay in pairs]
-        frozen = [(dy, w) for (dy, w, _), h in zip(pairs, is_held) if h]
-        rest = [t for t, h in zip(pairs, is_held) if not h]
-        ws = [_root(bound, w) for _, w in frozen]
-        infos = {held[w][:3] for w in ws}
-        if not frozen or len(infos) != 1:
+        kind = ["held" if lay == "nn" and _root(bound, w) in held else
+                # a computed weight whose dy also meets a B (its LoRA term's A is computed too, a concat)
+                "join" if lay == "nn" and _computed(bound, _root(bound, w)) and _root(bound, dy) in du_of else None
+                for dy, w, lay in pairs]
+        # roots: the joined GEMM may stand before the aliases the call reads them through
+        frozen = [(_root(bound, dy), _root(bound, w)) for (dy, w, _), k in zip(pairs, kind) if k]
+        rest = [t for t, k in zip(pairs, kind) if not k]
+        kinds = {k for k in kind if k}
+        if len(kinds) != 1:
             continue
-        inp, n, r = next(iter(infos))
-        found = []
-        for (dy, _), w in zip(frozen, ws):
-            du = [du_of[(_root(bound, dy), bv)] for bv in slots.get(w, ()) if (_root(bound, dy), bv) in du_of]
-            if len(du) != 1 or du[0] in dus:
-                break
-            found.append((du[0], held[w][3]))
-        if len(found) != len(frozen) or len({k for _, k in found}) != len(found):
+        group = _held_group(frozen, bound, held, slots, du_of) if kinds == {"held"} else _joined_group(frozen, bound, du_of)
+        if group is None or any(du in dus for du, _ in group["dus"]):
             continue
-        first = min((du for du, _ in found), key=pos.__getitem__)
-        # the joined GEMM stands where the first du GEMM did: every dy must be bound before it
-        if any(pos.get(_root(bound, dy), -1) >= pos[first] for dy, _ in frozen):
+        # the joined GEMM goes right after the last of its inputs is bound, and every du must be read
+        # only after that
+        last = max((pos.get(_root(bound, v), -1) for t in group["frozen"] for v in t[:2] + t[3:] if v is not None),
+                   default=-1)
+        first = min(pos[du] for du, _ in group["dus"])
+        if any(first_use.get(du, len(binds)) <= max(last, first - 1) for du, _ in group["dus"]):
             continue
-        for du, k in found:
-            dus[du] = (b.var, k)
-        accs[b.var] = (b.var, rest)
-        groups[b.var] = (first, frozen, inp, inp + n * r, r, str(b.value.ty.dtype))
-    return dus, accs, groups
+        group.update(rest=rest, dtype=str(b.value.ty.dtype), after=binds[last].var if last >= first else None)
+        for du, _ in group["dus"]:
+            dus[du] = group
+        accs[b.var] = group
+    return dus, accs
+
+
+def _held_group(frozen, bound, held, slots, du_of):
+    """Weights held joined: each slot's B is what the tail kernels write into it."""
+    ws = [_root(bound, w) for _, w in frozen]
+    infos = {held[w][:3] for w in ws}
+    if len(infos) != 1:
+        return None
+    inp, n, r = next(iter(infos))
+    found = []
+    for (dy, w), root in zip(frozen, ws):
+        du = [v for bv, v in du_of.get(dy, ()) if bv in slots.get(root, ())]
+        if len(du) != 1:
+            return None
+        found.append((du[0], held[root][3]))
+    if len({k for _, k in found}) != len(found):
+        return None
+    return {"frozen": [(dy, w, k, None) for (dy, w), (_, k) in zip(frozen, found)], "dus": found,
+            "inp": inp, "width": inp + n * r, "r": r}
+
+
+def _joined_group(frozen, bound, du_of):
+    """Weights computed in the step (dequantized): joined here with their B ([W_k | 0 | B_k | 0], slot
+    k the term's place), where several share the call (q/k/v, gate/up: a single projection's sum
+    would be added to its LoRA term by a kernel of its own) and together are at least as wide as
+    their input (down_proj's [N, 14336] input gradient would be copied out of the wider output)."""
+    if len(frozen) < 2:
+        return None
+    shapes = [_static_shape(w.ty) for _, w in frozen]
+    inp = shapes[0][1]
+    if any(sh is None or sh[1] != inp for sh in shapes) or sum(sh[0] for sh in shapes) < inp:
+        return None
+    out, found = [], []
+    for k, ((dy, w), (rows, _)) in enumerate(zip(frozen, shapes)):
+        cands = [(bv, v) for bv, v in du_of.get(dy, ())
+                 if _static_shape(bv.ty) is not None and _static_shape(bv.ty)[0] == rows]
+        if len(cands) != 1:
+            return None
+        b, du = cands[0]
+        out.append((dy, w, k, b))
+        found.append((du, k))
+    rs = {_static_shape(b.ty)[1] for *_, b in out}
+    if len(rs) != 1 or any(str(b.ty.dtype) != str(w.ty.dtype) for _, w, _, b in out):
+        return None
+    r = rs.pop()
+    return {"frozen": out, "dus": found, "inp": inp, "width": inp + len(out) * r, "r": r}
 
 
 @mutator
 class _Columns(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, dus: dict, accs: dict, groups: dict):
+    def __init__(self, mod: tvm.IRModule, dus: dict, accs: dict):
         super().__init__(mod)
-        self.dus, self.accs, self.groups, self.big, self.names = dus, accs, groups, {}, set()
+        self.dus, self.accs, self.names = dus, accs, set()
+        self.after: dict = {}  # a binding's var -> the groups emitted right after it
+        for g in accs.values():
+            if g["after"] is not None:
+                self.after.setdefault(g["after"], []).append(g)
+        self.emitted: set = set()
         self.rewritten = 0
 
-    def _call(self, terms: list, ty):
-        """One GEMM over (a, b, layout) terms: plain for one, accumulating for several."""
-        name = (ACC_PREFIX if len(terms) > 1 else GEMM_PREFIX) + "".join(lay for _, _, lay in terms)
+    def _emit_group(self, g: dict) -> None:
+        """The joined GEMM [N, in + n r] and each du as its columns."""
+        if id(g) in self.emitted:
+            return
+        self.emitted.add(id(g))
+        from .gemm_lora_k import _join_columns
+        terms = []
+        for dy, w, k, b in g["frozen"]:
+            w = self.visit_expr(w)
+            if b is not None:  # [W | slots], B in slot k and zeros (B * 0, formed in the joining kernel)
+                b = self.visit_expr(b)
+                zero = self.builder_.normalize(relax.op.multiply(b, relax.const(0.0, str(b.ty.dtype))))
+                w = self.builder_.emit(_join_columns([w] + [b if i == k else zero for i in range(len(g["frozen"]))]))
+            terms.append((self.visit_expr(dy), w, "nn"))
+        rows = _static_shape(terms[0][0].ty)[0]
+        name = (ACC_PREFIX if len(terms) > 1 else GEMM_PREFIX) + "nn" * len(terms)
         if len(terms) > 1:
             self.names.add(name)
-        args = [self.visit_expr(v) for a, b, _ in terms for v in (a, b)]
-        return self.builder_.emit(relax.call_dps_packed(name, args, ty))
-
-    def _big(self, key):
-        if key not in self.big:
-            _, frozen, _, width, _, dtype = self.groups[key]
-            rows = _static_shape(frozen[0][0].ty)[0]
-            self.big[key] = self._call([(dy, w, "nn") for dy, w in frozen], relax.TensorType([rows, width], dtype))
-        return self.big[key]
+        g["big"] = self.builder_.emit(relax.call_dps_packed(
+            name, [v for t in terms for v in t[:2]], relax.TensorType([rows, g["width"]], g["dtype"])))
+        for du, k in g["dus"]:
+            cols = relax.op.strided_slice(g["big"], [1], [g["inp"] + k * g["r"]], [g["inp"] + (k + 1) * g["r"]])
+            value = relax.op.astype(cols, du.ty.dtype)
+            self.builder_.emit_normalized(relax.VarBinding(du, self.builder_.normalize(value)))
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        self._rewrite(binding)
+        for g in self.after.get(binding.var, ()):
+            self._emit_group(g)
+
+    def _rewrite(self, binding: relax.VarBinding) -> None:
         var = binding.var
-        if var in self.dus:  # du_k: the columns of slot k
-            key, k = self.dus[var]
-            inp, r = self.groups[key][2], self.groups[key][4]
-            du = relax.op.strided_slice(self._big(key), [1], [inp + k * r], [inp + (k + 1) * r])
-            value = relax.op.astype(du, binding.value.ty.dtype)
-        elif var in self.accs:  # dx: the first `in` columns, plus the other terms (du A) summed in fp32
-            key, rest = self.accs[var]
-            head = relax.op.strided_slice(self._big(key), [1], [0], [self.groups[key][2]])
-            if rest:
-                other = self._call(rest, binding.value.ty)
+        if var in self.dus:  # emitted with its group (here, or after the group's last input)
+            g = self.dus[var]
+            if g["after"] is None:
+                self._emit_group(g)
+            return
+        if var in self.accs:  # dx: the first `in` columns, plus the other terms (du A) summed in fp32
+            g = self.accs[var]
+            head = relax.op.strided_slice(g["big"], [1], [0], [g["inp"]])
+            if g["rest"]:
+                name = (ACC_PREFIX if len(g["rest"]) > 1 else GEMM_PREFIX) + "".join(lay for *_, lay in g["rest"])
+                if len(g["rest"]) > 1:
+                    self.names.add(name)
+                args = [self.visit_expr(v) for a, b, _ in g["rest"] for v in (a, b)]
+                other = self.builder_.emit(relax.call_dps_packed(name, args, binding.value.ty))
+                dtype = binding.value.ty.dtype
                 value = relax.op.astype(relax.op.add(relax.op.astype(head, "float32"),
-                                                     relax.op.astype(other, "float32")), binding.value.ty.dtype)
+                                                     relax.op.astype(other, "float32")), dtype)
             else:
                 value = head
             self.rewritten += 1
-        else:
-            return super().visit_var_binding_(binding)
-        self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(value)))
+            self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(value)))
+            return
+        super().visit_var_binding_(binding)
 
 
 def lora_du_columns(mod: tvm.IRModule, held: dict) -> tuple[tvm.IRModule, int, list[str]]:
     """`held`: {main's parameter var held joined: (in, n slots, r, its own slot)}.
     -> (module, input-gradient GEMMs that now also write du, accumulating names it added)."""
-    if not held or "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
+    if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
         return mod, 0, []
     func = mod["main"]
     if not isinstance(func.body, relax.SeqExpr):
         return mod, 0, []
     bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-    dus, accs, groups = {}, {}, {}
+    dus, accs = {}, {}
     for block in func.body.blocks:
         if isinstance(block, relax.DataflowBlock):
-            for into, got in zip((dus, accs, groups), _plan(block, bound, held)):
-                into.update(got)
+            d, a = _plan(block, bound, held)
+            dus.update(d)
+            accs.update(a)
     if not accs:
         return mod, 0, []
-    rewriter = _Columns(mod, dus, accs, groups)
+    rewriter = _Columns(mod, dus, accs)
     mod = rewrite_functions(rewriter, mod)
     mod = relax.transform.DeadCodeElimination()(mod)
     return mod, rewriter.rewritten, sorted(rewriter.names)
