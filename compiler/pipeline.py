@@ -188,9 +188,10 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
                 mod, gemm["bf16_residuals"], gemm["bf16_gradient_sums"], gemm["bf16_read_narrow"] = \
                     narrow_residuals(mod)
             if acc:
+                from .passes.gemm_lora_du import lora_du_columns
                 from .passes.gemm_lora_k import concat_lora_gemms
-                mod, gemm["lora_k_concat"], gemm["lora_k_resident"], gemm["lora_du_columns"], more = \
-                    concat_lora_gemms(mod)
+                mod, gemm["lora_k_concat"], gemm["lora_k_resident"], slots = concat_lora_gemms(mod)
+                mod, gemm["lora_du_columns"], more = lora_du_columns(mod, slots)
                 gemm["accumulating"] = sorted(set(acc) | set(more))
     return mod, units, unit_calls, gemm
 

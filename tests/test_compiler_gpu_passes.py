@@ -394,7 +394,7 @@ def test_only_weights_computed_in_the_step_or_held_joined_are_joined(weight, joi
                 ys.append(bb.emit(relax.op.astype(w1, "float32")))
             out = bb.emit_output(relax.Tuple(ys))
         bb.emit_func_output(out)
-    mod, n, held, _, _ = concat_lora_gemms(bb.get())
+    mod, n, held, _ = concat_lora_gemms(bb.get())
     text = mod["main"].script()
     if joined == 1:  # the other weight alone is held joined: its projection joins, the refused one's does not
         assert (n, sorted(held)) == (1, ["w1" if weight == "bf16-read-transposed" else "w2"]), (n, held)
@@ -504,7 +504,7 @@ def test_du_comes_from_the_input_gradients_columns(held):
             dx = bb.emit(relax.call_dps_packed("lorac.gemm_acc_nnnnnn", [du, a, dy1, ws[0], dy2, ws[1]], f32(T, K)))
             out = bb.emit_output(relax.Tuple([dx, du1, du2, *written]))
         bb.emit_func_output(out)
-    mod, n, names = lora_du_columns(bb.get(), {w1: (K, 2, r, 0), w2: (K, 2, r, 1)} if held else {})
+    mod, n, names = lora_du_columns(bb.get(), {"w1": (K, 2, r, 0), "w2": (K, 2, r, 1)} if held else {})
     text = mod["main"].script()
     assert n == 1 and names == ["lorac.gemm_acc_nnnn"], (n, names)
     assert f'"lorac.gemm_acc_nnnn", (dy1, {"w1" if held else "lv"}' in text and f"R.Tensor(({T}, {K + 2 * r})" in text, text

@@ -28,6 +28,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .gemm import GEMM_PREFIX, _static_shape
+from .gemm_lora_k import _from_parameter, _join_columns
 from .gemm_sum import ACC_PREFIX
 from .rewrite import rewrite_functions
 
@@ -74,7 +75,6 @@ def _computed(bound: dict, w) -> bool:
     """Whether w is computed in the step (a dequantization), not a parameter or a view of one: its
     join is then free (FuseOps writes the wider rows in the kernel that makes w); a parameter's
     would copy it every step."""
-    from .gemm_lora_k import _from_parameter
     return w in bound and not _from_parameter(bound, w)
 
 
@@ -192,7 +192,6 @@ class _Columns(PyExprMutator):
         if id(g) in self.emitted:
             return
         self.emitted.add(id(g))
-        from .gemm_lora_k import _join_columns
         terms = []
         for dy, w, k, b in g["frozen"]:
             w = self.visit_expr(w)
@@ -244,14 +243,16 @@ class _Columns(PyExprMutator):
         super().visit_var_binding_(binding)
 
 
-def lora_du_columns(mod: tvm.IRModule, held: dict) -> tuple[tvm.IRModule, int, list[str]]:
-    """`held`: {main's parameter var held joined: (in, n slots, r, its own slot)}.
+def lora_du_columns(mod: tvm.IRModule, slots: dict) -> tuple[tvm.IRModule, int, list[str]]:
+    """`slots`: {name of a parameter of main held joined: (in, n slots, r, its own slot)}
+    (gemm_lora_k.concat_lora_gemms).
     -> (module, input-gradient GEMMs that now also write du, accumulating names it added)."""
     if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
         return mod, 0, []
     func = mod["main"]
     if not isinstance(func.body, relax.SeqExpr):
         return mod, 0, []
+    held = {p: slots[p.name] for p in func.params if p.name in slots}
     bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
     dus, accs = {}, {}
     for block in func.body.blocks:
