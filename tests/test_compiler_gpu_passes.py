@@ -524,3 +524,45 @@ def test_du_comes_from_the_input_gradients_columns(held):
     want_dx = scale * (vals["dy1"] @ vals["w1"][:, :K] + vals["dy2"] @ vals["w2"][:, :K]) + np.concatenate(want_du, 1) @ vals["a"]
     for g, w in zip(got[:3], [want_dx, *want_du]):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantized_projections_of_unequal_widths_join_in_their_slots():
+    """As q/k/v over a dequantized base: three weights of 24, 8 and 8 rows (GQA), computed in the step,
+    r = 4: the input gradient's GEMM reads [W_q | B_q | 0 | 0], [W_k | 0 | B_k | 0], [W_v | 0 | 0 | B_v]
+    and each du is its own slot's columns; dx and every du equal numpy's (fp32, the CPU)."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    from lorac.compiler.passes.gemm_lora_du import lora_du_columns
+    from lorac.runtime.engine import gemm as gemms
+    T, K, r, rows = 10, 16, 4, (24, 8, 8)
+    f32 = lambda *shape: relax.TensorType(shape, "float32")  # noqa: E731
+    dys = [relax.Var(f"dy{i}", f32(T, n)) for i, n in enumerate(rows)]
+    ws = [relax.Var(f"w{i}", f32(n, K)) for i, n in enumerate(rows)]
+    bs = [relax.Var(f"b{i}", f32(n, r)) for i, n in enumerate(rows)]
+    a = relax.Var("a", f32(3 * r, K))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [*dys, *ws, *bs, a]):
+        with bb.dataflow():
+            deq = [bb.emit(relax.op.multiply(w, relax.const(0.5, "float32"))) for w in ws]  # "dequantized"
+            dus = [bb.emit(relax.call_dps_packed("lorac.gemm_nn", [dy, b], f32(T, r))) for dy, b in zip(dys, bs)]
+            du = bb.emit(relax.op.concat(dus, axis=1))
+            args = [du, a] + [v for dy, w in zip(dys, deq) for v in (dy, w)]
+            dx = bb.emit(relax.call_dps_packed("lorac.gemm_acc_nnnnnnnn", args, f32(T, K)))
+            out = bb.emit_output(relax.Tuple([dx, *dus]))
+        bb.emit_func_output(out)
+    mod, n, names = lora_du_columns(bb.get(), {})
+    assert n == 1 and names == ["lorac.gemm_acc_nnnnnn"], (n, names)
+    assert f"R.Tensor(({T}, {K + 3 * r})" in mod["main"].script()
+    gemms.register()
+    gemms.register_accumulating(names)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    rng = np.random.default_rng(5)
+    vals = [rng.standard_normal([int(d) for d in v.ty.shape]).astype(np.float32) for v in (*dys, *ws, *bs, a)]
+    got = [x.numpy() for x in vm["main"](*[tvm.runtime.tensor(v) for v in vals])]
+    dy, w, b, av = vals[0:3], vals[3:6], vals[6:9], vals[9]
+    want_du = [dy[i] @ b[i] for i in range(3)]
+    want_dx = sum(0.5 * dy[i] @ w[i] for i in range(3)) + np.concatenate(want_du, 1) @ av
+    for g, want in zip(got, [want_dx, *want_du]):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
