@@ -19,7 +19,10 @@ Applies where every frozen term of an accumulating call is a held weight of one 
 slots, each slot once), each with a du GEMM of the same dy against the B written into its slot; and
 where they are weights computed in the step (dequantized: NF4, int8, GGUF), each with one du GEMM of
 its dy, at least two of them and together at least as wide as their input (q/k/v, gate/up): those
-are joined with their B here, [W_k | 0 | B_k | 0], in the kernel that dequantizes them.
+are joined with their B here, [W_k | 0 | B_k | 0], in the kernel that dequantizes them. That second
+form is off by default (JOIN_DEQUANTIZED): its rewrite is proven on the CPU
+(tests/test_compiler_gpu_passes.py), but neither its GPU numerics nor its step time have been
+measured yet (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from .gemm_lora_k import _from_parameter, _join_columns
 from .gemm_sum import ACC_PREFIX
 from .rewrite import rewrite_functions
 
+JOIN_DEQUANTIZED = False  # weights dequantized in the step too (see above); off until measured on a GPU
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
 _INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
 _ASTYPE = tvm.ir.Op.get("relax.astype")
@@ -78,7 +82,7 @@ def _computed(bound: dict, w) -> bool:
     return w in bound and not _from_parameter(bound, w)
 
 
-def _plan(block, bound: dict, held: dict) -> tuple[dict, dict]:
+def _plan(block, bound: dict, held: dict, dequantized: bool) -> tuple[dict, dict]:
     """-> ({du var: group}, {input-gradient var: group}); a group is a dict: `frozen` [(dy, W, slot,
     B or None)] (B: the weight is joined here, None: held joined), `rest` (the call's other
     terms), `inp`, `width`, `r`, `dtype`, `after` (the binding after which the joined GEMM and the
@@ -104,7 +108,8 @@ def _plan(block, bound: dict, held: dict) -> tuple[dict, dict]:
         pairs = [(fields[i], fields[i + 1], letters[i:i + 2]) for i in range(0, len(fields), 2)]
         kind = ["held" if lay == "nn" and _root(bound, w) in held else
                 # a computed weight whose dy also meets a B (its LoRA term's A is computed too, a concat)
-                "join" if lay == "nn" and _computed(bound, _root(bound, w)) and _root(bound, dy) in du_of else None
+                "join" if dequantized and lay == "nn" and _computed(bound, _root(bound, w)) and _root(bound, dy) in du_of
+                else None
                 for dy, w, lay in pairs]
         # roots: the joined GEMM may stand before the aliases the call reads them through
         frozen = [(_root(bound, dy), _root(bound, w)) for (dy, w, _), k in zip(pairs, kind) if k]
@@ -243,7 +248,8 @@ class _Columns(PyExprMutator):
         super().visit_var_binding_(binding)
 
 
-def lora_du_columns(mod: tvm.IRModule, slots: dict) -> tuple[tvm.IRModule, int, list[str]]:
+def lora_du_columns(mod: tvm.IRModule, slots: dict, dequantized: bool = JOIN_DEQUANTIZED
+                    ) -> tuple[tvm.IRModule, int, list[str]]:
     """`slots`: {name of a parameter of main held joined: (in, n slots, r, its own slot)}
     (gemm_lora_k.concat_lora_gemms).
     -> (module, input-gradient GEMMs that now also write du, accumulating names it added)."""
@@ -257,7 +263,7 @@ def lora_du_columns(mod: tvm.IRModule, slots: dict) -> tuple[tvm.IRModule, int, 
     dus, accs = {}, {}
     for block in func.body.blocks:
         if isinstance(block, relax.DataflowBlock):
-            d, a = _plan(block, bound, held)
+            d, a = _plan(block, bound, held, dequantized)
             dus.update(d)
             accs.update(a)
     if not accs:
