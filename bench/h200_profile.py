@@ -117,14 +117,9 @@ def _gpu_busy(step, args) -> dict:
     GPU's busy time, the rest of the step's wall time is the GPU waiting for the host."""
     import ctypes
 
-    import tvm_ffi
+    from lorac.runtime.devices.cuda.cudart import runtime, stream_getter
 
-    from lorac.runtime.devices.cuda.cudart import load_library
-
-    rt = load_library("libcudart")
-    get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
-    get_stream.restype, get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
-    rt.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    rt, get_stream = runtime(), stream_getter()
     rt.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
     events: list = []
     marks: list = []  # (symbol, start event index, end event index)

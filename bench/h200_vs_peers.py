@@ -23,7 +23,6 @@ matmul parameters x tokens (forward and input-gradient GEMMs; LoRA has no weight
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -263,11 +262,9 @@ def prepare(cache: str, cases: list[str]) -> None:
 
 
 def _gpu_used() -> int:
-    from lorac.runtime.devices.cuda.cudart import load_library
-    cudart = load_library("libcudart")
-    free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
-    return total.value - free.value
+    from lorac.runtime.devices.cuda import memory_info
+    free, total = memory_info()
+    return total - free
 
 
 def case_engine(cache: str, case: str, tune: int = 0, target: str = "cuda"):

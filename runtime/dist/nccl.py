@@ -139,9 +139,8 @@ class NcclReducer:
         ev = _p()
         self.cuda.check(self.cuda.lib.cudaEventCreateWithFlags(ctypes.byref(ev), 2), "cudaEventCreate")  # no timing
         self.event = ev
-        import tvm_ffi
-        self._stream = tvm_ffi.LIB.TVMFFIEnvGetStream
-        self._stream.restype, self._stream.argtypes = _p, [ctypes.c_int32, ctypes.c_int32]
+        from ..devices.cuda.cudart import stream_getter
+        self._stream = stream_getter()
 
     def __call__(self, flats: dict, share: float) -> None:
         nc, comm = self.nccl, self.comm

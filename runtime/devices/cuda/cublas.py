@@ -47,11 +47,7 @@ def _init():
     i, ll, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     f.argtypes = [p, i, i, i, i, i, p, p, i, i, ll, p, i, i, ll, p, p, i, i, ll, i, i, i]
     _lib.cublasSetStream_v2.argtypes = [p, p]
-    # TVM launches its kernels on the stream TVMFFIEnvGetStream names (a capture stream
-    # while a CUDA graph records); the GEMMs must join that same stream
-    import tvm_ffi
-    _get_stream = tvm_ffi.LIB.TVMFFIEnvGetStream
-    _get_stream.restype, _get_stream.argtypes = ctypes.c_void_p, [ctypes.c_int32, ctypes.c_int32]
+    _get_stream = stream_getter()  # the GEMMs join the stream TVM launches on
     _fn, _handle = f, h
 
 

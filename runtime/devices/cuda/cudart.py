@@ -3,7 +3,8 @@ found, the CUDA runtime with the signatures of every call lorac makes, and the s
 
     lib = load_library("libcublas")   # pip's nvidia-* wheels, CUDA_HOME, then the loader's path
     rt = runtime()                    # libcudart, argtypes set once for the calls below
-    stream = tvm_stream(device_index) # the stream TVM's kernels go to (a capture stream while a CUDA graph records)
+    stream = stream_getter()(2, device_index)  # kDLCUDA: the stream TVM's kernels go to (a capture stream
+                                               # while a CUDA graph records)
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from .cudart import runtime
 
 _MAPPED, _PORTABLE = 0x02, 0x01  # cudaHostAllocMapped | cudaHostAllocPortable
 
+
 def host_table(shape, dtype: str, device_id: int = 0):
     """(a TVM tensor on CUDA device `device_id` whose memory is pinned host memory, a numpy array
     over the same bytes to fill it). The memory is freed when TVM drops the tensor."""
