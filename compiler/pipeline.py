@@ -190,7 +190,8 @@ def lower_to_relax(proto: onnx.ModelProto, tmod, dtype: str):
             if acc:
                 from .passes.gemm_lora_du import lora_du_columns
                 from .passes.gemm_lora_k import concat_lora_gemms
-                mod, gemm["lora_k_concat"], gemm["lora_k_resident"], slots = concat_lora_gemms(mod)
+                mod, gemm["lora_k_concat"], slots = concat_lora_gemms(mod)
+                gemm["lora_k_resident"] = {name: own[0] for name, own in slots.items()}
                 mod, gemm["lora_du_columns"], more = lora_du_columns(mod, slots)
                 gemm["accumulating"] = sorted(set(acc) | set(more))
     return mod, units, unit_calls, gemm

@@ -31,34 +31,17 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .gemm import GEMM_PREFIX, _static_shape
-from .gemm_lora_k import _from_parameter, _join_columns
+from .gemm_lora_k import _from_parameter, _gemm_operands, _join_columns, _root
 from .gemm_sum import ACC_PREFIX
 from .rewrite import rewrite_functions
 
 JOIN_DEQUANTIZED = False  # weights dequantized in the step too (see above); off until measured on a GPU
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
 _INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
-_ASTYPE = tvm.ir.Op.get("relax.astype")
 
 
-def _root(bound: dict, v):
-    while isinstance(v, relax.Var) and isinstance(bound.get(v), relax.Var):
-        v = bound[v]
-    return v
-
-
-def _gemm(value):
-    """(letters, [operands]) of a lorac GEMM call (plain or accumulating), else None."""
-    if not (isinstance(value, relax.Call) and value.op == _DPS):
-        return None
-    name = value.args[0].global_symbol
-    if not name.startswith(GEMM_PREFIX):
-        return None
-    letters = name[len(ACC_PREFIX):] if name.startswith(ACC_PREFIX) else name[len(GEMM_PREFIX):]
-    fields = list(value.args[1].fields)
-    if set(letters) - {"n", "t"} or len(letters) != len(fields):
-        return None
-    return letters, fields
+def _name(value) -> str:
+    return value.args[0].global_symbol if isinstance(value, relax.Call) and value.op == _DPS else ""
 
 
 def _slots(block, bound: dict, held: dict) -> dict:
@@ -96,34 +79,31 @@ def _plan(block, bound: dict, held: dict, dequantized: bool) -> tuple[dict, dict
             first_use.setdefault(v, i)
     du_of: dict = {}  # dy -> [(B, the var of dy B)]
     for b in binds:
-        g = _gemm(b.value)
-        if g is not None and g[0] == "nn":
-            du_of.setdefault(_root(bound, g[1][0]), []).append((_root(bound, g[1][1]), b.var))
+        if _name(b.value) == GEMM_PREFIX + "nn":
+            dy, bv = b.value.args[1].fields
+            du_of.setdefault(_root(bound, dy), []).append((_root(bound, bv), b.var))
     dus, accs = {}, {}
     for b in binds:
-        g = _gemm(b.value)
-        if g is None or not b.value.args[0].global_symbol.startswith(ACC_PREFIX):
+        ops = _gemm_operands(b.value) if _name(b.value).startswith(ACC_PREFIX) else None
+        if ops is None:
             continue
-        letters, fields = g
-        pairs = [(fields[i], fields[i + 1], letters[i:i + 2]) for i in range(0, len(fields), 2)]
-        kind = ["held" if lay == "nn" and _root(bound, w) in held else
-                # a computed weight whose dy also meets a B (its LoRA term's A is computed too, a concat)
-                "join" if dequantized and lay == "nn" and _computed(bound, _root(bound, w)) and _root(bound, dy) in du_of
-                else None
-                for dy, w, lay in pairs]
         # roots: the joined GEMM may stand before the aliases the call reads them through
-        frozen = [(_root(bound, dy), _root(bound, w)) for (dy, w, _), k in zip(pairs, kind) if k]
+        pairs = [(_root(bound, a), _root(bound, c), la + lc) for (a, la), (c, lc) in zip(ops[::2], ops[1::2])]
+        kind = ["held" if lay == "nn" and w in held else
+                # a computed weight whose dy also meets a B (its LoRA term's A is computed too, a concat)
+                "join" if dequantized and lay == "nn" and _computed(bound, w) and dy in du_of else None
+                for dy, w, lay in pairs]
+        frozen = [(dy, w) for (dy, w, _), k in zip(pairs, kind) if k]
         rest = [t for t, k in zip(pairs, kind) if not k]
         kinds = {k for k in kind if k}
         if len(kinds) != 1:
             continue
-        group = _held_group(frozen, bound, held, slots, du_of) if kinds == {"held"} else _joined_group(frozen, bound, du_of)
+        group = _held_group(frozen, held, slots, du_of) if kinds == {"held"} else _joined_group(frozen, du_of)
         if group is None or any(du in dus for du, _ in group["dus"]):
             continue
         # the joined GEMM goes right after the last of its inputs is bound, and every du must be read
         # only after that
-        last = max((pos.get(_root(bound, v), -1) for t in group["frozen"] for v in t[:2] + t[3:] if v is not None),
-                   default=-1)
+        last = max((pos.get(v, -1) for t in group["frozen"] for v in t[:2] + t[3:] if v is not None), default=-1)
         first = min(pos[du] for du, _ in group["dus"])
         if any(first_use.get(du, len(binds)) <= max(last, first - 1) for du, _ in group["dus"]):
             continue
@@ -134,26 +114,25 @@ def _plan(block, bound: dict, held: dict, dequantized: bool) -> tuple[dict, dict
     return dus, accs
 
 
-def _held_group(frozen, bound, held, slots, du_of):
-    """Weights held joined: each slot's B is what the tail kernels write into it."""
-    ws = [_root(bound, w) for _, w in frozen]
-    infos = {held[w][:3] for w in ws}
+def _held_group(frozen, held, slots, du_of):
+    """Weights held joined: each slot's B is what the tail kernels write into it. (`frozen`: roots.)"""
+    infos = {held[w][:3] for _, w in frozen}
     if len(infos) != 1:
         return None
     inp, n, r = next(iter(infos))
     found = []
-    for (dy, w), root in zip(frozen, ws):
-        du = [v for bv, v in du_of.get(dy, ()) if bv in slots.get(root, ())]
+    for dy, w in frozen:
+        du = [v for bv, v in du_of.get(dy, ()) if bv in slots.get(w, ())]
         if len(du) != 1:
             return None
-        found.append((du[0], held[root][3]))
+        found.append((du[0], held[w][3]))
     if len({k for _, k in found}) != len(found):
         return None
     return {"frozen": [(dy, w, k, None) for (dy, w), (_, k) in zip(frozen, found)], "dus": found,
             "inp": inp, "width": inp + n * r, "r": r}
 
 
-def _joined_group(frozen, bound, du_of):
+def _joined_group(frozen, du_of):
     """Weights computed in the step (dequantized): joined here with their B ([W_k | 0 | B_k | 0], slot
     k the term's place), where several share the call (q/k/v, gate/up: a single projection's sum
     would be added to its LoRA term by a kernel of its own) and together are at least as wide as
@@ -189,14 +168,19 @@ class _Columns(PyExprMutator):
         for g in accs.values():
             if g["after"] is not None:
                 self.after.setdefault(g["after"], []).append(g)
-        self.emitted: set = set()
         self.rewritten = 0
 
+    def _gemm(self, terms: list, ty):
+        """One GEMM call over (a, b, layout) terms: plain for one, accumulating for several."""
+        name = (ACC_PREFIX if len(terms) > 1 else GEMM_PREFIX) + "".join(lay for *_, lay in terms)
+        if len(terms) > 1:
+            self.names.add(name)
+        return self.builder_.emit(relax.call_dps_packed(name, [v for a, b, _ in terms for v in (a, b)], ty))
+
     def _emit_group(self, g: dict) -> None:
-        """The joined GEMM [N, in + n r] and each du as its columns."""
-        if id(g) in self.emitted:
+        """The joined GEMM [N, in + n r] (g["big"]) and each du as its columns."""
+        if "big" in g:
             return
-        self.emitted.add(id(g))
         terms = []
         for dy, w, k, b in g["frozen"]:
             w = self.visit_expr(w)
@@ -206,11 +190,7 @@ class _Columns(PyExprMutator):
                 w = self.builder_.emit(_join_columns([w] + [b if i == k else zero for i in range(len(g["frozen"]))]))
             terms.append((self.visit_expr(dy), w, "nn"))
         rows = _static_shape(terms[0][0].ty)[0]
-        name = (ACC_PREFIX if len(terms) > 1 else GEMM_PREFIX) + "nn" * len(terms)
-        if len(terms) > 1:
-            self.names.add(name)
-        g["big"] = self.builder_.emit(relax.call_dps_packed(
-            name, [v for t in terms for v in t[:2]], relax.TensorType([rows, g["width"]], g["dtype"])))
+        g["big"] = self._gemm(terms, relax.TensorType([rows, g["width"]], g["dtype"]))
         for du, k in g["dus"]:
             cols = relax.op.strided_slice(g["big"], [1], [g["inp"] + k * g["r"]], [g["inp"] + (k + 1) * g["r"]])
             value = relax.op.astype(cols, du.ty.dtype)
@@ -232,11 +212,8 @@ class _Columns(PyExprMutator):
             g = self.accs[var]
             head = relax.op.strided_slice(g["big"], [1], [0], [g["inp"]])
             if g["rest"]:
-                name = (ACC_PREFIX if len(g["rest"]) > 1 else GEMM_PREFIX) + "".join(lay for *_, lay in g["rest"])
-                if len(g["rest"]) > 1:
-                    self.names.add(name)
-                args = [self.visit_expr(v) for a, b, _ in g["rest"] for v in (a, b)]
-                other = self.builder_.emit(relax.call_dps_packed(name, args, binding.value.ty))
+                other = self._gemm([(self.visit_expr(a), self.visit_expr(b), lay) for a, b, lay in g["rest"]],
+                                   binding.value.ty)
                 dtype = binding.value.ty.dtype
                 value = relax.op.astype(relax.op.add(relax.op.astype(head, "float32"),
                                                      relax.op.astype(other, "float32")), dtype)

@@ -262,9 +262,9 @@ def _join_columns(values: list):
     return relax.op.reshape(relax.op.concat(blocks, axis=1), [rows, sum(n for _, n in shapes)])
 
 
-def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict, dict]:
-    """-> (module, how many projections became one GEMM, {name of a parameter held joined: its own
-    width}, {that name: (its own width, slots, r, its slot)} for gemm_lora_du.py)."""
+def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict]:
+    """-> (module, how many projections became one GEMM, {name of a parameter held joined: (its own
+    width, slots, r, its slot)}: the manifest's `columns` and gemm_lora_du.py's slots)."""
     plan, bound = {}, {}
     for gv, func in mod.functions_items():
         if not (isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr)):
@@ -285,7 +285,7 @@ def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict, dict]
     weight = lambda v: _operands(bound[v], bound)[3]  # noqa: E731 (W of a planned projection, aliases followed)
     plan = {v: p for v, p in plan.items() if not _from_parameter(bound, weight(v)) or weight(v) in resident}
     if not plan:
-        return mod, 0, {}, {}
+        return mod, 0, {}
     rewriter = _Join(mod, plan, bound, resident)
     mod = rewrite_functions(rewriter, mod)
     if rewriter.held:
@@ -293,6 +293,5 @@ def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict, dict]
         params = [rewriter.held.get(p, p) for p in func.params]
         mod["main"] = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
     mod = relax.transform.DeadCodeElimination()(mod)  # the aliases the joins skip
-    # what gemm_lora_du.py needs of each weight held joined: its own width, slots, rank, its slot
     slots = {new.name: (_static_shape(p.ty)[1], n, r, k) for p, new in rewriter.held.items() for n, k, r in [resident[p]]}
-    return mod, rewriter.rewritten, {p.name: _static_shape(p.ty)[1] for p in rewriter.held}, slots
+    return mod, rewriter.rewritten, slots
