@@ -265,21 +265,32 @@ def recomputed_mlp_tail(u: dict) -> dict:
     return {**u, "down_proj": None}
 
 
-def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
-    """dy = dLoss/d x_out [N, D] -> dLoss/d x_in (None if not needed); LoRA grads into `grads`."""
-    g, spec = c.g, c.spec
-    B, K, G, S, Dh = c.dims
-    N = B * S
-
+def lora_backward(g, grads: dict, L, s):
+    """(proj_back, group_back) of layer L (its `idx` and `proj`; `s.u` the saved LoRA inputs), each
+    projection's LoRA gradients stored in `grads` under its names: proj_back(dout, x, target,
+    want_dx=True) -> dx of one projection (projection_backward); group_back(douts, x, targets,
+    want_dx=True) -> the summed dx of projections that read the same x, their LoRA terms joined
+    (group_backward)."""
     def names(t):
         return lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
 
     def proj_back(dout, x, t, want_dx=True):
         return projection_backward(g, grads, names(t), dout, x, s.u[t], L.proj[t], want_dx)
 
-    def group_back(douts, x, ts, want_dx=True):  # projections of one x: their LoRA terms joined
+    def group_back(douts, x, ts, want_dx=True):
         return group_backward(g, grads, [names(t) for t in ts], douts, x, [s.u[t] for t in ts],
                               [L.proj[t] for t in ts], want_dx)
+
+    return proj_back, group_back
+
+
+def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
+    """dy = dLoss/d x_out [N, D] -> dLoss/d x_in (None if not needed); LoRA grads into `grads`."""
+    g, spec = c.g, c.spec
+    B, K, G, S, Dh = c.dims
+    N = B * S
+
+    proj_back, group_back = lora_backward(g, grads, L, s)
 
     h1, h2, act = projection_inputs(g, s, L.in_norm, L.post_norm, None, lean=c.train.checkpointing, fresh=c.fresh)
     # MLP block: x_out = x1 + down(swiglu(gate(h2), up(h2))), h2 = norm(x1)

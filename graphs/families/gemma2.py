@@ -29,10 +29,9 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from ..ops.attention import AttentionSaved, Mask, attention_backward, attention_forward
-from ..decoder import Ctx, describe, projection_inputs  # noqa: F401 - the decoders' context (RoPE tables, dims) and doc line
+from ..decoder import Ctx, describe, lora_backward, projection_inputs  # noqa: F401 - the decoders' context (RoPE tables, dims) and doc line
 from ..decoder import EMBEDDINGS, declare_embedding, declare_head  # noqa: F401 - HF's embedding names, read as the decoders'
-from ..ops.linear import (Proj, add_lora, frozen_weight, gather_rows, group_backward, linear_forward,
-                          linear_group_forward, projection_backward)
+from ..ops.linear import Proj, add_lora, frozen_weight, gather_rows, linear_forward, linear_group_forward
 from ..ops.mlp import geglu_backward, geglu_forward
 from ..ops.norm import rmsnorm_backward, rmsnorm_forward
 from ..ops.rope import rope_backward, rope_forward
@@ -181,15 +180,7 @@ def layer_backward(c: Ctx, dy, L: Layer, s: Saved, need_dx: bool, grads: dict):
     B, K, G, S, Dh = c.dims
     N, H = B * S, K * G
 
-    def names(t):
-        return lora_name(L.idx, t, "A"), lora_name(L.idx, t, "B")
-
-    def proj_back(dout, x, t, want_dx=True):
-        return projection_backward(g, grads, names(t), dout, x, s.u[t], L.proj[t], want_dx)
-
-    def group_back(douts, x, ts, want_dx=True):  # projections of one x: their LoRA terms joined
-        return group_backward(g, grads, [names(t) for t in ts], douts, x, [s.u[t] for t in ts],
-                              [L.proj[t] for t in ts], want_dx)
+    proj_back, group_back = lora_backward(g, grads, L, s)
 
     h1, h2, act = projection_inputs(g, s, L.norms["input_layernorm"], L.norms["pre_feedforward_layernorm"],
                                     geglu_forward, lean=c.train.checkpointing, fresh=c.fresh)
