@@ -180,7 +180,7 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0, target: str = "c
         from lorac.runtime.model.quant.embeddings import held
         train = held(spec, train, embed)
     if budget is not None:
-        train = auto_checkpointing(spec, train, budget, on_host)
+        train = auto_checkpointing(spec, train, budget, on_host, chunk_free="loss_chunk" not in extra)
     from lorac.runtime.train.memory import host_table
     host = (host_table(spec),) if on_host else ()  # --offload-embeddings on
     optim = LoraPlusConfig(lr=1e-4, loraplus_ratio=16.0, warmup_steps=0, total_steps=100)  # the peers: no warmup
@@ -189,9 +189,10 @@ def _engine(case: str, cache: str, weights=None, tune: int = 0, target: str = "c
     return eng, spec, optim
 
 
-def auto_checkpointing(spec, train, budget_gb: float, on_host: bool = False):
+def auto_checkpointing(spec, train, budget_gb: float, on_host: bool = False, chunk_free: bool = True):
     """`train` with the checkpointing `lorac train --memory-budget budget_gb` picks (decoder shapes);
-    on_host: the input embedding waits in host memory (--offload-embeddings on)."""
+    on_host: the input embedding waits in host memory (--offload-embeddings on); chunk_free: no
+    --loss-chunk given (auto may take smaller loss chunks to keep more layers)."""
     from dataclasses import replace
 
     from lorac.graphs.ops.quant import quant_inputs
@@ -208,8 +209,10 @@ def auto_checkpointing(spec, train, budget_gb: float, on_host: bool = False):
     n_weights, packed = frozen_with(spec, (n_weights, packed), layers, train.quant)  # quantized embeddings
     n_weights, packed = step_memory.frozen_on_device(spec, (n_weights, packed), train.quant, on_host)
     budget, source = step_memory.budget_from(None, budget_gb)
-    c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True)
-    chosen = replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload)
+    chunks = step_memory.loss_chunks(train.loss_chunk, train.batch * train.seq) if chunk_free else None
+    c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True, chunks=chunks)
+    chosen = replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload,
+                     loss_chunk=c.loss_chunk or train.loss_chunk)
     if c.offload and c.state_off:  # the attention state did not fit: the inputs alone (train/plan.py)
         chosen = replace(chosen, offload_state=False)
     from lorac.graphs.compose import offloads_state

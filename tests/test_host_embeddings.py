@@ -149,7 +149,7 @@ def test_the_estimate_leaves_the_table_out():
     assert memory.frozen_on_device(spec, (5, 10**9), nf4, True) == (5, 10**9 - blocks)
 
 
-def _plan(monkeypatch, config, quant=(), **settings):
+def _plan(monkeypatch, config, quant=(), saved=None, **settings):
     from lorac.graphs import ModelSpec
     from lorac.runtime import devices
     from lorac.runtime.config import TrainConfig
@@ -162,7 +162,7 @@ def _plan(monkeypatch, config, quant=(), **settings):
               3_601_000_000) if quant else (8_030_000_000, 0)
     logs = []
     cfg = TrainConfig(**{"target": "cuda", "batch": 1, "seq": 2048, "rank": 16, "alpha": 32.0, **settings})
-    return plan_run(cfg, spec, config, frozen, quant=quant, log=logs.append), logs
+    return plan_run(cfg, spec, config, frozen, quant=quant, saved=saved, log=logs.append), logs
 
 
 def _nf4_layers():
@@ -204,6 +204,34 @@ def test_auto_moves_the_table_where_the_budget_binds(monkeypatch):
     from lorac.runtime.errors import LoracError
     with pytest.raises(LoracError, match="also its LM head"):
         _plan(monkeypatch, QWEN3_06B, offload_embeddings="on")
+
+
+def test_auto_takes_smaller_loss_chunks_to_keep_more_layers(monkeypatch):
+    from lorac.runtime.train import memory
+    from lorac.runtime.train.saved import SavedRun
+    assert memory.loss_chunks(2048, 8192) == (2048, 1024, 512)
+    assert memory.loss_chunks(0, 3000) == (0, 2048, 1024, 512)  # one chunk by default: powers of two below
+    assert memory.loss_chunks(512, 8192) == (512,)
+    # a dense 8B base at 4x2048 on 20 GB: 1024-token chunks (0.5 GB less logits than 2048) keep the top layer
+    plan, logs = _plan(monkeypatch, LLAMA3_8B, batch=4, memory_budget=20.0)
+    assert (plan.cfg.checkpointing, plan.cfg.keep_layers, plan.train.keep_layers) == ("offload", 1, 1)
+    assert plan.cfg.loss_chunk == plan.train.loss_chunk == 1024  # recorded: a resumed run compiles the same step
+    line = next(m for m in logs if m.startswith("memory: auto"))
+    assert "keeping 1 of 32 layers" in line and "1024-token loss chunks" in line, line
+    # --loss-chunk given: kept, and the layer is recomputed
+    given, _ = _plan(monkeypatch, LLAMA3_8B, batch=4, memory_budget=20.0, loss_chunk=2048)
+    assert (given.cfg.keep_layers, given.train.loss_chunk) == (0, 2048)
+    # a budget the default chunk fits: the default stays
+    roomy, _ = _plan(monkeypatch, LLAMA3_8B, batch=4, memory_budget=80.0)
+    assert (roomy.cfg.loss_chunk, roomy.train.loss_chunk) == (0, 2048)
+    # an NF4 head dequantizes once a chunk: no smaller chunks for it
+    nf4, _ = _plan(monkeypatch, LLAMA3_8B, _nf4_layers(), batch=4, memory_budget=10.0, quantize_embeddings="nf4")
+    assert (nf4.cfg.loss_chunk, nf4.train.loss_chunk) == (0, 2048)
+    # resumed: the checkpoint's chunk and setting, whatever the budget now
+    saved = SavedRun.from_state({"train_config": {"checkpointing": "offload", "keep_layers": 1, "loss_chunk": 1024}})
+    again, logs = _plan(monkeypatch, LLAMA3_8B, saved=saved, batch=4, memory_budget=80.0, resume="ckpt")
+    assert (again.cfg.keep_layers, again.train.loss_chunk, again.cfg.loss_chunk) == (1, 1024, 1024)
+    assert "loss chunk: 1024 tokens (the checkpoint's)" in logs
 
 
 def test_flag_values_and_devices():

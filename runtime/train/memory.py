@@ -56,6 +56,7 @@ class Choice:
     why: str  # one line for the log
     offload: bool = False  # the recomputed layers' inputs wait in host memory
     state_off: bool = False  # ... without their attention state, which `auto` would send (it did not fit)
+    loss_chunk: int | None = None  # the loss chunk it fits with, where smaller than the run's (None: the run's)
 
 
 def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: bool = False, state: bool = False,
@@ -111,13 +112,18 @@ def loss_bytes(spec, train, chunk: int) -> int:
     logit measured); with a quantized head, read in vocabulary slices (graphs/ops/loss.py), the
     gradient is one slice wide: at Llama-3-8B's 1x2048, 0.57 instead of 1.05 GB (its compiled
     2-layer plan held 525 MB of logits and a 48 MB slice gradient at the loss)."""
-    from lorac.graphs.families import for_spec
     from lorac.graphs.ops.loss import head_slices
-    tables = for_spec(spec).EMBEDDINGS
-    if (tables[0] if spec.tied else tables[1]) not in dict(train.quant):
+    if not head_quantized(spec, train):
         return 4 * chunk * spec.vocab
     rows = max(hi - lo for lo, hi in head_slices(spec.vocab, spec.hidden, train.head_slices))
     return 2 * chunk * (spec.vocab + rows)
+
+
+def head_quantized(spec, train) -> bool:
+    """Whether the LM head is held quantized (--quantize-embeddings): each loss chunk dequantizes it."""
+    from lorac.graphs.families import for_spec
+    tables = for_spec(spec).EMBEDDINGS
+    return (tables[0] if spec.tied else tables[1]) in dict(train.quant)
 
 
 def frozen_sizes(weights: dict) -> tuple[int, int]:
@@ -247,6 +253,24 @@ def settings(n_trained: int, offload: bool = False):
             yield True, keep, True
 
 
+MIN_LOSS_CHUNK = 512  # the smallest loss chunk `auto` takes to keep more layers
+
+
+def loss_chunks(chunk: int, tokens: int) -> tuple[int, ...]:
+    """The loss chunks `auto` may try where --loss-chunk was not given, fastest first: the device's
+    default (0: one chunk), then powers of two below it (below all the tokens) down to MIN_LOSS_CHUNK.
+    A smaller chunk only shrinks the [chunk, V] logits at the loss (0.5 GB a halving at Llama-3-8B's
+    vocabulary from 2048 tokens) and the head's GEMMs stay large; a layer recomputed costs its
+    forward again (~7 ms at Llama-3-8B 4x2048 on an H100), so each setting is tried with every
+    chunk before the next, leaner one (choose; not where the head is quantized: each chunk
+    dequantizes it)."""
+    out, c = [chunk], 1 << max((chunk or tokens) - 1, 1).bit_length() - 1
+    while c >= MIN_LOSS_CHUNK:
+        out.append(c)
+        c //= 2
+    return tuple(out)
+
+
 def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, str]:
     """The bytes a step may plan for, and where the number comes from: --memory-budget less
     the library workspaces, else the GPU's free memory less max(2 GiB, 5 %) (workspaces,
@@ -260,13 +284,15 @@ def budget_from(free: int | None, asked_gb: float | None) -> tuple[int | None, s
 
 
 def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: str, packed_bytes: int = 0,
-           offload: bool = False, host: int | None = None) -> Choice:
+           offload: bool = False, host: int | None = None, chunks: tuple[int, ...] | None = None) -> Choice:
     """The fastest of settings() whose estimate fits `budget` (the leanest when none
     does); no checkpointing without a budget or an estimate. offload: the device can offload;
     host: bytes of host memory the offloaded values may pin (None: no limit): a setting that
     would pin more is passed over. Where --offload-state auto sends the attention state with the
     offloaded inputs and even every layer recomputed does not fit, the offloaded settings are
-    tried again with the inputs alone (their staging is a few times smaller; the steps slower)."""
+    tried again with the inputs alone (their staging is a few times smaller; the steps slower).
+    chunks: the loss chunks the run may use (loss_chunks; default: the run's own), each setting tried
+    with each before the next setting: the Choice says the chunk where it is not the first."""
     from lorac.graphs.compose import offloads_state
     gb = lambda n: f"{n / 1e9:.1f} GB"
     if budget is None:
@@ -276,8 +302,12 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
     candidates = [(c, k, o, False) for c, k, o in settings(n_trained, offload)]
     if offload and train.offload_state is None and offloads_state(spec, replace(train, offload=True)):
         candidates += [(True, keep, True, True) for keep in range(n_trained - 1, -1, -1)]
-    for ckpt, keep, off, state_off in candidates:
-        setting = replace(train, checkpointing=ckpt, keep_layers=keep, offload=off)
+    chunks = chunks or (train.loss_chunk,)
+    if head_quantized(spec, train):  # each chunk dequantizes the head again: a smaller one costs more than a layer
+        chunks = chunks[:1]
+    candidates = [(*c, chunk) for c in candidates for chunk in chunks]
+    for ckpt, keep, off, state_off, chunk in candidates:
+        setting = replace(train, checkpointing=ckpt, keep_layers=keep, offload=off, loss_chunk=chunk)
         if state_off:
             setting = replace(setting, offload_state=False)
         if off and host is not None and offload_host(spec, setting, dtype) > host:
@@ -289,15 +319,18 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
                                           "set --checkpointing / --keep-layers yourself")
         first = first or need
         if leanest is None or need <= leanest[0]:  # on a tie the later, leaner one
-            leanest = (need, ckpt, keep, off, state_off)
+            leanest = (need, ckpt, keep, off, state_off, chunk)
         if need <= budget:
             more = "" if not ckpt else f"; no checkpointing needs {gb(first)}{passed}"
+            if chunk != chunks[0]:
+                more += f"; {chunk}-token loss chunks, smaller than the default's logits, to fit it"
             if state_off:
                 lean = estimate(spec, replace(train, checkpointing=True, keep_layers=0, offload=True), n_weights,
                                 dtype, packed_bytes)
                 more += f"; with their attention state offloaded too every layer recomputed needs {gb(lean)}"
             return Choice(ckpt, keep, need, f"estimated {gb(need)} of a {gb(budget)} budget ({source}){more}", off,
-                          state_off)
-    need, _, keep, off, state_off = leanest  # the leanest setting estimated (an offloaded one the host can pin)
+                          state_off, None if chunk == chunks[0] else chunk)
+    need, _, keep, off, state_off, chunk = leanest  # the leanest setting estimated (an offloaded one the host can pin)
     return Choice(True, keep, need, f"even full checkpointing needs an estimated {gb(need)}, more than the "
-                                    f"{gb(budget)} budget ({source}){passed}; trying it anyway", off, state_off)
+                                    f"{gb(budget)} budget ({source}){passed}; trying it anyway", off, state_off,
+                  None if chunk == chunks[0] else chunk)

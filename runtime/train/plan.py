@@ -81,6 +81,10 @@ def plan_run(cfg: TrainConfig, spec, model_config: dict, frozen: tuple[int, int]
     if "scan_chunk" in extra:
         log(f"mamba scan chunk: {extra['scan_chunk']}" + ("" if cfg.scan_chunk else f" ({cfg.target} default)"))
     loss_chunk = cfg.loss_chunk
+    if loss_chunk == 0 and cfg.resume and saved is not None and saved.loss_chunk:  # what --checkpointing auto chose
+        loss_chunk = saved.loss_chunk
+        cfg = replace(cfg, loss_chunk=loss_chunk)
+        log(f"loss chunk: {loss_chunk} tokens (the checkpoint's)")
     if loss_chunk == 0 and device.LOSS_CHUNK_BYTES:  # bound the [tokens, vocab] logits
         from lorac.graphs.ops.loss import auto_chunk
         loss_chunk = auto_chunk(spec.vocab, cfg.batch // workers * cfg.seq, device.LOSS_CHUNK_BYTES)
@@ -172,10 +176,13 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
         dtype = cfg.dtype or device.DEFAULT_DTYPE
         on_host = cfg.offload_embeddings == "on" and host_tables_possible(cfg, spec, device)
 
+        # --loss-chunk not given: smaller chunks than the device's default may keep more layers
+        chunks = step_memory.loss_chunks(train.loss_chunk, train.batch * train.seq) if cfg.loss_chunk == 0 else None
+
         def fit(train, on_host: bool, sized=frozen):  # the choice for `train` over these frozen sizes
             n_weights, packed = step_memory.frozen_on_device(spec, sized, train.quant, on_host)
             return step_memory.choose(spec, train, n_weights, dtype, budget, source, packed,
-                                      offload=device.OFFLOADS, host=device.host_pinnable())
+                                      offload=device.OFFLOADS, host=device.host_pinnable(), chunks=chunks)
         choice = fit(train, on_host)
         if choice.checkpointing and cfg.offload_embeddings == "auto" and host_tables_possible(cfg, spec, device):
             # memory binds: the input embedding moves to host memory, and the setting is chosen again
@@ -185,6 +192,8 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
             cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, budget, fit, on_host, log)
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
         state_off = choice.state_off
+        if choice.loss_chunk is not None:  # recorded, so a resumed run compiles the same step
+            train, cfg = replace(train, loss_chunk=choice.loss_chunk), replace(cfg, loss_chunk=choice.loss_chunk)
         if choice.need is not None and choice.need > budget and device.KEEPS_QUANTIZED and not train.quant:
             why += "; " + limits.QUANTIZE_HINT
     off = off and ckpt

@@ -31,6 +31,7 @@ class SavedRun:
     keep_layers: int = 0
     offload_state: str | None = None  # --offload-state as resolved ("off" where auto's state did not fit)
     quantize_embeddings: str | None = None  # "off", "nf4" or "int8" as resolved (None: before the setting)
+    loss_chunk: int = 0  # --loss-chunk as given or as --checkpointing auto chose it (0: the device's default)
     steps: int | None = None
     optimizer: dict = field(default_factory=dict)  # the optimizer settings it recorded (TrainConfig.optimizer_settings)
     schedule_steps: int | None = None  # the steps the learning-rate schedule decays over
@@ -51,7 +52,7 @@ class SavedRun:
                    trained_layers=tc.get("trained_layers"), packing=tc.get("packing"), truncate=tc.get("truncate"),
                    checkpointing=ckpt,
                    keep_layers=int(tc.get("keep_layers") or 0), offload_state=tc.get("offload_state"),
-                   quantize_embeddings=tc.get("quantize_embeddings"),
+                   quantize_embeddings=tc.get("quantize_embeddings"), loss_chunk=int(tc.get("loss_chunk") or 0),
                    steps=tc.get("steps"),
                    optimizer={k: tc[k] for k in TrainConfig.optimizer_settings() if tc.get(k) is not None},
                    schedule_steps=state.get("schedule_steps"), data_sha256=state.get("data_sha256"),
