@@ -37,7 +37,7 @@ KINDS = {"dense": None, "nf4": dict(kind="nf4", block=64, double=True), "int8": 
          "q4k": dict(kind="Q4_K")}
 
 
-def _specs(kind: str | None, ckpt: bool = False, offload: bool = False, state: bool | None = None):
+def _specs(kind: str | None, ckpt: bool = False, offload: bool = False, state: bool | None = None, mlp: int = 0):
     from lorac.graphs import ModelSpec, TrainSpec
     from lorac.graphs.families import for_spec
     from lorac.graphs.ops.quant import Quant
@@ -46,11 +46,12 @@ def _specs(kind: str | None, ckpt: bool = False, offload: bool = False, state: b
     quant = () if KINDS.get(kind) is None else tuple(sorted(
         (fam.weight_name(i, t), Quant(**KINDS[kind])) for i in range(spec.layers) for t in fam.TARGETS))
     train = TrainSpec(batch=B, seq=S, lora_targets=fam.TARGETS, rank=16, alpha=32.0, quant=quant,
-                      checkpointing=ckpt, offload=offload, offload_state=state)
+                      checkpointing=ckpt, offload=offload, offload_state=state, keep_mlp=mlp)
     return spec, train
 
 
-CKPT = {"plain": dict(), "offload": dict(offload=True, state=False), "offload-state": dict(offload=True, state=True)}
+CKPT = {"plain": dict(), "offload": dict(offload=True, state=False), "offload-state": dict(offload=True, state=True),
+        "offload-mlp": dict(offload=True, state=True, mlp=2)}  # two layers keep gate and up (TrainSpec.keep_mlp)
 
 
 def inputs(manifest: dict) -> dict:

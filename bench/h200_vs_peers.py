@@ -102,6 +102,9 @@ CASES = {
     # ... and with the input embedding in host memory, as `lorac train --memory-budget 20` now holds it
     "8b-4x2048-auto20-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 20.0, "embed_host": True},
                             ["fast:unsloth-gc"]),
+    # the same a little below Unsloth bf16's 19.8 GB in use (the estimate leaves ~0.9 GB of a bf16 step out)
+    "8b-4x2048-auto19.5-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 19.5, "embed_host": True},
+                              ["fast:unsloth-gc"]),
     # no 70B peer: its random bf16 checkpoint (140 GB) fits neither the GPU machine's disk nor its GPU
     "70b-1x2048-nf4-auto48": (LLAMA3_70B, "llama3-70b", 1, 2048, {"quant": "nf4", "memory_budget": 48.0}, []),
     # every layer recomputed, inputs offloaded: the leanest setting (auto48's estimate, 46.8 GB, is at its budget)
@@ -212,11 +215,12 @@ def auto_checkpointing(spec, train, budget_gb: float, on_host: bool = False, chu
     chunks = step_memory.loss_chunks(train.loss_chunk, train.batch * train.seq) if chunk_free else None
     c = step_memory.choose(spec, train, n_weights, "bfloat16", budget, source, packed, offload=True, chunks=chunks)
     chosen = replace(train, checkpointing=c.checkpointing, keep_layers=c.keep_layers, offload=c.offload,
-                     loss_chunk=c.loss_chunk or train.loss_chunk)
+                     loss_chunk=c.loss_chunk or train.loss_chunk, keep_mlp=c.keep_mlp)
     if c.offload and c.state_off:  # the attention state did not fit: the inputs alone (train/plan.py)
         chosen = replace(chosen, offload_state=False)
     from lorac.graphs.compose import offloads_state
-    what = step_memory.describe(c.checkpointing, c.keep_layers, L, c.offload, offloads_state(spec, chosen))
+    what = step_memory.describe(c.checkpointing, c.keep_layers, L, c.offload, offloads_state(spec, chosen),
+                                keep_mlp=c.keep_mlp)
     print(f"memory: auto: {what} ({c.why})", flush=True)
     return chosen
 

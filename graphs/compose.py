@@ -35,7 +35,11 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     labels = g.input("labels", [train.batch, train.seq], INT64)
     lowest = train.layers(spec)[0]
     state = offloads_state(spec, train)
-    inputs, saved = [], []
+    if train.keep_mlp and not state:
+        raise ValueError("--keep-mlp keeps the MLP half of layers whose attention state waits in host memory; at "
+                         "this shape the state stays (--offload-state auto sends it only where the host link keeps "
+                         "up: use --offload-state on)")
+    inputs, saved, mlps = [], [], {}
     for L in layers:
         g.scope = f"L{L.idx}.fwd"
         recomputed = train.recomputes(spec, L.idx) and L.idx >= lowest
@@ -46,6 +50,8 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         if recomputed and state:
             held, wide = fam.attention_state(s)
             kept = offload(g, [x] + held, L.idx, wide=tuple(1 + i for i in wide))  # after the input
+            if train.keeps_mlp(spec, L.idx):  # its MLP's gate and up stay on the device (TrainSpec.keep_mlp)
+                mlps[L.idx] = fam.mlp_state(s)
         inputs.append(kept)
         x = x_out
         saved.append(None if (recomputed or L.idx < lowest) else s)
@@ -60,7 +66,7 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
         s = saved[L.idx]
         if s is None and state:  # the input and attention state back: recompute the MLP half
             x_in, *held = fetch(g, inputs[L.idx], L.idx)
-            s = fam.layer_refill(c, x_in, held, L)
+            s = fam.layer_refill(c, x_in, held, L, mlps.get(L.idx))
         elif s is None:  # checkpointing: recompute this layer's forward from its kept input
             x_in = fetch(g, inputs[L.idx], L.idx)[0] if train.offload else inputs[L.idx]
             c.recomputing = True  # a family may stop before what only the layer's output needs
@@ -80,6 +86,8 @@ def offloads_state(spec, train) -> bool:
     """Whether the step's offloaded layers send their attention state too (TrainSpec.offload_state,
     where the family implements it; None: where the family says the copies hide behind the forward)."""
     fam = family(spec)
+    if train.keep_mlp and not hasattr(fam, "mlp_state"):
+        raise ValueError(f"--keep-mlp is not implemented for {spec.arch}")
     if not train.offload or not hasattr(fam, "layer_refill"):
         return False
     return fam.state_offload_pays(spec) if train.offload_state is None else bool(train.offload_state)

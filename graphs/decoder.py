@@ -229,12 +229,23 @@ def attention_state(s: Saved) -> tuple[list, tuple]:
     return values, (4, len(values) - 2, len(values) - 1)
 
 
-def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
+def mlp_state(s: Saved) -> list:
+    """What a recomputed layer with TrainSpec.keep_mlp keeps on the device for its backward: its MLP's
+    gate and up (layer_refill takes them back instead of recomputing their GEMMs)."""
+    return [s.gate, s.up]
+
+
+def mlp_state_bytes(spec, itemsize: int = 2) -> int:
+    """Bytes a token of mlp_state (runtime/train/memory.py)."""
+    return 2 * spec.intermediate * itemsize
+
+
+def layer_refill(c: Ctx, x, state: list, L: Layer, mlp: list | None = None) -> Saved:
     """A recomputed layer's Saved from its input x and its attention_state, computing only what
     they do not hold: the norms' statistics, the LoRA u of q/k/v and o_proj (s h1 A^T, s o A^T:
-    thin GEMMs) and the MLP's gate and up (as layer_forward with c.recomputing); no q/k/v or
-    o_proj GEMM, no RoPE, no attention, no residual add. The same values as layer_forward's:
-    the copies are exact."""
+    thin GEMMs) and the MLP's gate and up (as layer_forward with c.recomputing), or with `mlp`
+    (mlp_state, kept by the forward) only their LoRA u; no q/k/v or o_proj GEMM, no RoPE, no
+    attention, no residual add. The same values as layer_forward's: the copies are exact."""
     g, spec = c.g, c.spec
     B, K, G, S, Dh = c.dims
     x1, rstd1, rstd2 = state[-3:]  # as the forward summed and normed them
@@ -251,7 +262,10 @@ def layer_refill(c: Ctx, x, state: list, L: Layer) -> Saved:
     uo, = lora_inputs(g, a2, [L.proj["o_proj"]])
     n2 = (x1, rstd2)
     h2 = rmsnorm_apply(g, L.post_norm, n2)
-    (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
+    if mlp is None:
+        (gt, up), u_gu = linear_group_forward(g, h2, [L.proj[t] for t in GATE_UP])
+    else:
+        (gt, up), u_gu = mlp, lora_inputs(g, h2, [L.proj[t] for t in GATE_UP])
     u = dict(zip(QKV + GATE_UP, u_qkv + u_gu), o_proj=uo)
     return Saved(h1, n1, nq, nk, sa, a2, h2, n2, gt, up, None, recomputed_mlp_tail(u))
 

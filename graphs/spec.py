@@ -111,6 +111,10 @@ class TrainSpec:
     # None (the default) = where the family says the copies hide behind the forward
     # (decoder.state_offload_pays); True / False: always / never (docs/RUNTIME.md, Offload)
     offload_state: bool | None = None
+    # with the attention state offloaded: that many recomputed layers (the highest ones) also keep
+    # their MLP's gate and up on the device, so their backward recomputes no GEMM (2 [N, I] values a
+    # layer, ~60 % of a kept layer's); runtime/train/memory.py chooses it under --checkpointing auto
+    keep_mlp: int = 0
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = one chunk (see loss.py)
     # "isolated": rows pack several documents and the graphs take `position_ids` [B, S]: each
     # document attends only within itself and RoPE restarts at its start (docs/DATA.md)
@@ -141,6 +145,14 @@ class TrainSpec:
             return False
         trained = self.layers(spec)
         return layer in trained[:max(len(trained) - self.keep_layers, 0)]
+
+    def keeps_mlp(self, spec: ModelSpec, layer: int) -> bool:
+        """Whether recomputed `layer` keeps its MLP's gate and up (keep_mlp: the highest recomputed
+        trained layers)."""
+        if not (self.keep_mlp and self.recomputes(spec, layer)):
+            return False
+        recomputed = [i for i in self.layers(spec) if self.recomputes(spec, i)]
+        return layer in recomputed[len(recomputed) - self.keep_mlp:]
 
     def quant_of(self, name: str):
         """The Quant of frozen weight `name`, or None where it is dense."""
@@ -176,6 +188,11 @@ class TrainSpec:
                              "without checkpointing every layer keeps them")
         if self.offload and not self.checkpointing:
             raise ValueError("offload moves the inputs checkpointing keeps to host memory; it needs checkpointing")
+        if not isinstance(self.keep_mlp, int) or isinstance(self.keep_mlp, bool) or self.keep_mlp < 0:
+            raise ValueError(f"keep_mlp (--keep-mlp) must be an integer >= 0, got {self.keep_mlp!r}")
+        if self.keep_mlp and not (self.offload and self.offload_state is not False):
+            raise ValueError("--keep-mlp keeps the MLP half of layers whose attention state waits in host memory; "
+                             "it needs --checkpointing offload with the attention state offloaded")
         if self.offload_state not in (None, True, False):
             raise ValueError(f"offload_state must be None, True or False, got {self.offload_state!r}")
         if not isinstance(self.head_slices, int) or isinstance(self.head_slices, bool) or self.head_slices < 0:

@@ -218,6 +218,8 @@ def test_auto_takes_smaller_loss_chunks_to_keep_more_layers(monkeypatch):
     assert plan.cfg.loss_chunk == plan.train.loss_chunk == 1024  # recorded: a resumed run compiles the same step
     line = next(m for m in logs if m.startswith("memory: auto"))
     assert "keeping 1 of 32 layers" in line and "1024-token loss chunks" in line, line
+    # ... and one layer more keeps its MLP half (TrainSpec.keep_mlp), recorded as the chunk is
+    assert plan.cfg.keep_mlp == plan.train.keep_mlp == 1 and "; 1 of those keep their MLP's gate and up" in line
     # --loss-chunk given: kept, and the layer is recomputed
     given, _ = _plan(monkeypatch, LLAMA3_8B, batch=4, memory_budget=20.0, loss_chunk=2048)
     assert (given.cfg.keep_layers, given.train.loss_chunk) == (0, 2048)
@@ -228,9 +230,11 @@ def test_auto_takes_smaller_loss_chunks_to_keep_more_layers(monkeypatch):
     nf4, _ = _plan(monkeypatch, LLAMA3_8B, _nf4_layers(), batch=4, memory_budget=10.0, quantize_embeddings="nf4")
     assert (nf4.cfg.loss_chunk, nf4.train.loss_chunk) == (0, 2048)
     # resumed: the checkpoint's chunk and setting, whatever the budget now
-    saved = SavedRun.from_state({"train_config": {"checkpointing": "offload", "keep_layers": 1, "loss_chunk": 1024}})
+    saved = SavedRun.from_state({"train_config": {"checkpointing": "offload", "keep_layers": 1, "loss_chunk": 1024,
+                                                  "keep_mlp": 1}})
     again, logs = _plan(monkeypatch, LLAMA3_8B, saved=saved, batch=4, memory_budget=80.0, resume="ckpt")
     assert (again.cfg.keep_layers, again.train.loss_chunk, again.cfg.loss_chunk) == (1, 1024, 1024)
+    assert again.train.keep_mlp == again.cfg.keep_mlp == 1
     assert "loss chunk: 1024 tokens (the checkpoint's)" in logs
 
 

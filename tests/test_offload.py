@@ -113,6 +113,29 @@ def test_offloaded_attention_state_computes_what_checkpointing_computes(spec, se
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("spec,seq", [(SPEC, 13), (LLAMA, 13)])
+def test_kept_mlp_halves_compute_what_their_refill_computes(spec, seq):
+    """keep_mlp: the highest recomputed layers keep gate and up from the forward, so their backward
+    forms only the LoRA u of gate and up (no frozen gate/up GEMM, no B GEMM): the same loss and
+    gradients bit for bit (CPU) as recomputing them."""
+    state = replace(TRAIN, seq=seq, offload=True, offload_state=True, keep_layers=1)  # the top layer kept
+    mlp = replace(state, keep_mlp=2)
+    n = spec.layers
+    assert [mlp.keeps_mlp(spec, i) for i in range(n)] == [i in (n - 3, n - 2) for i in range(n)]
+    assert replace(mlp, keep_mlp=9).keeps_mlp(spec, 0) and not replace(mlp, keep_mlp=9).keeps_mlp(spec, n - 1)
+    a, b = build_training_graph(spec, state), build_training_graph(spec, mlp)
+    gate = lambda m: sum(n.op_type == "Transpose" and any("gate_proj.weight" in i for i in n.input)
+                         for n in m.graph.node)
+    assert gate(a) == gate(b) + 2  # two recomputes of gate's frozen GEMM fewer
+    (s1, feeds), (s2, _) = _feeds(a, spec=spec), _feeds(b, spec=spec)
+    for x, y in zip(s1.run(None, feeds), s2.run(None, feeds)):
+        assert np.array_equal(x, y)
+    with pytest.raises(ValueError, match="--keep-mlp keeps the MLP half"):
+        replace(mlp, offload_state=False).validate(spec)
+    with pytest.raises(ValueError, match="must be an integer >= 0"):
+        replace(mlp, keep_mlp=-1).validate(spec)
+
+
 def test_state_offload_rule_picks_shapes_whose_copies_hide_behind_the_forward():
     """TrainSpec.offload_state None: the family's rule (bytes of the state a forward FLOP) picks it for
     Llama-3-8B and -70B shapes, not for Qwen3-0.6B's quick layers nor the test models; None is the

@@ -124,8 +124,13 @@ def test_run_resolves_auto(monkeypatch):
     assert (run.cfg.checkpointing, run.train_spec.checkpointing) == ("off", False)
     assert logs == ["memory: auto: checkpointing off (auto is off on --target cpu)"]
     run, logs = _resolve(monkeypatch, target="cuda", memory_budget=40.0)
-    assert run.cfg.checkpointing == "on" and 0 < run.cfg.keep_layers == run.train_spec.keep_layers < 32
-    assert logs[0].startswith(f"memory: auto: checkpointing on, keeping {run.cfg.keep_layers} of 32 layers (estimated")
+    # 40 GB: no layer recomputed whole; the kept layers and those keeping their MLP half leave one layer's MLP half
+    # to recompute, the others' inputs and attention state offloaded
+    keep, mlp = run.cfg.keep_layers, run.cfg.keep_mlp
+    assert run.cfg.checkpointing == "offload" and (keep, mlp) == (run.train_spec.keep_layers, run.train_spec.keep_mlp)
+    assert 0 < keep < 32 and keep + mlp == 31 and run.train_spec.offload, (keep, mlp)
+    assert logs[0].startswith(f"memory: auto: checkpointing on, keeping {keep} of 32 layers, their inputs and "
+                              f"attention state offloaded to host memory") and f"; {mlp} of those keep" in logs[0]
     run, logs = _resolve(monkeypatch, free=140 * 10**9, target="cuda")  # a whole H200: nothing to recompute
     assert run.cfg.checkpointing == "off" and "free on the GPU" in logs[0]
     run, logs = _resolve(monkeypatch, free=None, target="cuda")  # compile-only, no GPU, no budget

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ..decoder import declare_weights, describe, embed, layer_backward, layer_forward, Ctx  # noqa: F401
 from ..decoder import EMBEDDINGS, lora_tensor_names  # noqa: F401
-from ..decoder import attention_state, layer_refill, offload_state_bytes, state_offload_pays  # noqa: F401 - offload_state (compose.py)
+from ..decoder import (attention_state, layer_refill, mlp_state, mlp_state_bytes,  # noqa: F401 - offload_state (compose.py)
+                       offload_state_bytes, state_offload_pays)
 from ..decoder import activation_bytes  # noqa: F401 - what a layer keeps (runtime/train/memory.py)
 from ..spec import ATTN_TARGETS, MLP_TARGETS, ModelSpec, count_field, first, lora_name, number_field, rope_theta
 from ..spec import weight_name as _weight_name

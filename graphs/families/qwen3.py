@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..decoder import declare_weights, describe, embed, layer_backward, layer_forward, Ctx  # noqa: F401
 from ..decoder import EMBEDDINGS, lora_tensor_names  # noqa: F401
-from ..decoder import attention_state, layer_refill, offload_state_bytes, state_offload_pays  # noqa: F401 - offload_state (compose.py)
+from ..decoder import (attention_state, layer_refill, mlp_state, mlp_state_bytes,  # noqa: F401 - offload_state (compose.py)
+                       offload_state_bytes, state_offload_pays)
 from ..decoder import activation_bytes  # noqa: F401 - what a layer keeps, q/k norms included
 from ..spec import ModelSpec, lora_name  # noqa: F401
 from . import no_train_extra

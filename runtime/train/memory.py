@@ -56,18 +56,22 @@ class Choice:
     why: str  # one line for the log
     offload: bool = False  # the recomputed layers' inputs wait in host memory
     state_off: bool = False  # ... without their attention state, which `auto` would send (it did not fit)
+    keep_mlp: int = 0  # recomputed layers that keep their MLP's gate and up (TrainSpec.keep_mlp)
     loss_chunk: int | None = None  # the loss chunk it fits with, where smaller than the run's (None: the run's)
 
 
 def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: bool = False, state: bool = False,
-             host_bytes: int = 0) -> str:
+             host_bytes: int = 0, keep_mlp: int = 0) -> str:
     """The log's words for a setting; `state`: the offloaded layers send their attention state too;
-    `host_bytes`: the pinned host memory they take (offload_host)."""
+    `host_bytes`: the pinned host memory they take (offload_host); `keep_mlp`: TrainSpec.keep_mlp."""
     if not checkpointing:
         return "checkpointing off"
     what = "inputs and attention state" if state else "inputs"
     pinned = f" ({host_bytes / 1e9:.1f} GB pinned)" if host_bytes else ""
     where = f", their {what} offloaded to host memory{pinned}" if offload and keep_layers < n_trained else ""
+    if keep_mlp and where:
+        mlp = min(keep_mlp, n_trained - min(keep_layers, n_trained))
+        where += f"; {mlp} of those keep their MLP's gate and up on the GPU (no recompute)"
     if keep_layers:
         return f"checkpointing on, keeping {min(keep_layers, n_trained)} of {n_trained} layers{where}"
     return f"checkpointing on, all {n_trained} layers recomputed{where}"
@@ -94,8 +98,12 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
     T = train.batch * train.seq
     if getattr(train, "offload", False):  # a recomputed layer's input waits in host memory (graphs/ops/offload.py)
         recomputed = max(recomputed - itemsize * spec.hidden, 0)
-    kept = [full if not train.checkpointing else recomputed if train.recomputes(spec, layer) else lean
-            for layer in sorted(train.layers(spec))]
+    trained = len(train.layers(spec))
+    n_recomputed = max(trained - train.keep_layers, 0) if train.checkpointing else 0
+    mlp = for_spec(spec).mlp_state_bytes(spec, itemsize) if getattr(train, "keep_mlp", 0) else 0
+    kept = [full] * trained if not train.checkpointing else \
+        [recomputed + (mlp if i >= n_recomputed - train.keep_mlp else 0) for i in range(n_recomputed)] + \
+        [lean] * (trained - n_recomputed)  # bottom up (TrainSpec.recomputes, keeps_mlp)
     chunk = min(train.loss_chunk or T, T)
     peak = (sum(kept) + 3 * itemsize * spec.hidden) * T + loss_bytes(spec, train, chunk)  # the loss, everything kept
     below = 0.0
@@ -293,21 +301,28 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
     tried again with the inputs alone (their staging is a few times smaller; the steps slower).
     chunks: the loss chunks the run may use (loss_chunks; default: the run's own), each setting tried
     with each before the next setting: the Choice says the chunk where it is not the first."""
-    from lorac.graphs.compose import offloads_state
+    from lorac.graphs.compose import family, offloads_state
     gb = lambda n: f"{n / 1e9:.1f} GB"
     if budget is None:
         return Choice(False, 0, None, f"{source}, no budget to fit; give --memory-budget GB to choose for a GPU")
     n_trained = len(train.layers(spec))
     first, passed, leanest = None, "", None
-    candidates = [(c, k, o, False) for c, k, o in settings(n_trained, offload)]
-    if offload and train.offload_state is None and offloads_state(spec, replace(train, offload=True)):
-        candidates += [(True, keep, True, True) for keep in range(n_trained - 1, -1, -1)]
+    state = offload and offloads_state(spec, replace(train, offload=True))
+    mlp = state and hasattr(family(spec), "mlp_state")
+    candidates = []
+    for c, k, o in settings(n_trained, offload):
+        candidates.append((c, k, o, False, 0))
+        if o and mlp:  # as many layers without a recompute, m of them keeping only their MLP half: leaner
+            candidates += [(True, k - m, True, False, m) for m in range(1, k + 1)]
+    if state and train.offload_state is None:
+        candidates += [(True, keep, True, True, 0) for keep in range(n_trained - 1, -1, -1)]
     chunks = chunks or (train.loss_chunk,)
     if head_quantized(spec, train):  # each chunk dequantizes the head again: a smaller one costs more than a layer
         chunks = chunks[:1]
     candidates = [(*c, chunk) for c in candidates for chunk in chunks]
-    for ckpt, keep, off, state_off, chunk in candidates:
-        setting = replace(train, checkpointing=ckpt, keep_layers=keep, offload=off, loss_chunk=chunk)
+    for ckpt, keep, off, state_off, keep_mlp, chunk in candidates:
+        setting = replace(train, checkpointing=ckpt, keep_layers=keep, offload=off, loss_chunk=chunk,
+                          keep_mlp=keep_mlp)
         if state_off:
             setting = replace(setting, offload_state=False)
         if off and host is not None and offload_host(spec, setting, dtype) > host:
@@ -319,7 +334,7 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
                                           "set --checkpointing / --keep-layers yourself")
         first = first or need
         if leanest is None or need <= leanest[0]:  # on a tie the later, leaner one
-            leanest = (need, ckpt, keep, off, state_off, chunk)
+            leanest = (need, ckpt, keep, off, state_off, keep_mlp, chunk)
         if need <= budget:
             more = "" if not ckpt else f"; no checkpointing needs {gb(first)}{passed}"
             if chunk != chunks[0]:
@@ -329,8 +344,8 @@ def choose(spec, train, n_weights: int, dtype: str, budget: int | None, source: 
                                 dtype, packed_bytes)
                 more += f"; with their attention state offloaded too every layer recomputed needs {gb(lean)}"
             return Choice(ckpt, keep, need, f"estimated {gb(need)} of a {gb(budget)} budget ({source}){more}", off,
-                          state_off, None if chunk == chunks[0] else chunk)
-    need, _, keep, off, state_off, chunk = leanest  # the leanest setting estimated (an offloaded one the host can pin)
+                          state_off, keep_mlp, None if chunk == chunks[0] else chunk)
+    need, _, keep, off, state_off, keep_mlp, chunk = leanest  # the leanest setting estimated (an offloaded one the host can pin)
     return Choice(True, keep, need, f"even full checkpointing needs an estimated {gb(need)}, more than the "
                                     f"{gb(budget)} budget ({source}){passed}; trying it anyway", off, state_off,
-                  None if chunk == chunks[0] else chunk)
+                  keep_mlp, None if chunk == chunks[0] else chunk)

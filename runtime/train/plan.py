@@ -156,9 +156,10 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
     in the settings too (checkpoints record what ran; a resumed run compiles the same graph).
     Returns (cfg, train)."""
     from . import memory as step_memory
-    off, state_off = False, False
+    off, state_off, mlp = False, False, cfg.keep_mlp
     if cfg.resume:  # the checkpoint's graph
         ckpt, keep, off = saved.checkpointing in ("on", "offload"), saved.keep_layers, saved.checkpointing == "offload"
+        mlp = saved.keep_mlp if off else 0
         state_off = cfg.offload_state == "auto" and saved.offload_state == "off"
         why = f"the checkpoint's setting ({cfg.resume})"
     elif cfg.keep_layers:
@@ -191,20 +192,22 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
             # a QLoRA run (the loaded base keeps quantized layers) that no setting fits with dense tables
             cfg, train, choice = _embeddings_to_fit(cfg, spec, train, frozen, choice, budget, fit, on_host, log)
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
-        state_off = choice.state_off
+        state_off, mlp = choice.state_off, choice.keep_mlp
         if choice.loss_chunk is not None:  # recorded, so a resumed run compiles the same step
             train, cfg = replace(train, loss_chunk=choice.loss_chunk), replace(cfg, loss_chunk=choice.loss_chunk)
         if choice.need is not None and choice.need > budget and device.KEEPS_QUANTIZED and not train.quant:
             why += "; " + limits.QUANTIZE_HINT
     off = off and ckpt
-    train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off)
-    cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0)
+    mlp = mlp if off and not state_off else 0
+    train = replace(train, checkpointing=ckpt, keep_layers=keep if ckpt else 0, offload=off, keep_mlp=mlp)
+    cfg = replace(cfg, checkpointing="offload" if off else "on" if ckpt else "off", keep_layers=keep if ckpt else 0,
+                  keep_mlp=mlp)
     if off and state_off:  # the offloaded attention state did not fit: the inputs alone (recorded for --resume)
         train, cfg = replace(train, offload_state=False), replace(cfg, offload_state="off")
     if log is not None:
         from lorac.graphs.compose import offloads_state
         host = step_memory.offload_host(spec, train, cfg.dtype or device.DEFAULT_DTYPE)
-        setting = step_memory.describe(ckpt, keep, len(train.layers(spec)), off, offloads_state(spec, train), host)
+        setting = step_memory.describe(ckpt, keep, len(train.layers(spec)), off, offloads_state(spec, train), host, mlp)
         log(f"memory: auto: {setting} ({why})")
     return cfg, train
 

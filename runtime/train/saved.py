@@ -29,6 +29,7 @@ class SavedRun:
     truncate: str | None = None  # --truncate (none before it existed: "none")
     checkpointing: str = "off"  # "on", "off" or "offload" as resolved
     keep_layers: int = 0
+    keep_mlp: int = 0  # recomputed layers that keep their MLP half (TrainSpec.keep_mlp), as resolved
     offload_state: str | None = None  # --offload-state as resolved ("off" where auto's state did not fit)
     quantize_embeddings: str | None = None  # "off", "nf4" or "int8" as resolved (None: before the setting)
     loss_chunk: int = 0  # --loss-chunk as given or as --checkpointing auto chose it (0: the device's default)
@@ -51,7 +52,8 @@ class SavedRun:
                    rslora=bool(tc.get("rslora", False)), lora_targets=tuple(targets) if targets else None,
                    trained_layers=tc.get("trained_layers"), packing=tc.get("packing"), truncate=tc.get("truncate"),
                    checkpointing=ckpt,
-                   keep_layers=int(tc.get("keep_layers") or 0), offload_state=tc.get("offload_state"),
+                   keep_layers=int(tc.get("keep_layers") or 0), keep_mlp=int(tc.get("keep_mlp") or 0),
+                   offload_state=tc.get("offload_state"),
                    quantize_embeddings=tc.get("quantize_embeddings"), loss_chunk=int(tc.get("loss_chunk") or 0),
                    steps=tc.get("steps"),
                    optimizer={k: tc[k] for k in TrainConfig.optimizer_settings() if tc.get(k) is not None},
