@@ -132,7 +132,7 @@ class TrainConfig:
                                "(faster, more memory); given alone, turns checkpointing on")
     keep_mlp: int = setting(0, "with --checkpointing offload and the attention state offloaded, the N highest "
                             "recomputed layers keep their MLP's gate and up on the GPU, so their backward recomputes "
-                            "nothing (about 60 % of a kept layer's memory); --checkpointing auto chooses it")
+                            "nothing (about 0.6x the memory of a kept layer); --checkpointing auto chooses it")
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
                                           "(default: the GPU's free memory less a reserve)", type=float)
     loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
