@@ -12,9 +12,11 @@ copy of x (~4x narrower than y); that of W and B costs nothing where W is dequan
 step (its dequantization kernel writes the wider rows: FuseOps puts the concat in it), so the
 rewrite applies only there (a weight computed in the step, not a parameter) and only where y
 is at least LORA_K_WIDE times as wide as x (the copy of x then costs less than the pass over y
-it saves). Projections of one x (gate and up) share its join: both GEMMs read
+it saves). Projections of one x (gate and up; q, k and v) share its join: both GEMMs read
 [x | u_gate | u_up], against [W_gate | B_gate | 0] and [W_up | 0 | B_up] (the zeros formed in the
-joining kernel), so x is copied once a forward. The sum is the same up to fp32 accumulation
+joining kernel), so x is copied once a forward; such a group joins where its outputs together are
+at least as wide as x (q/k/v: [T, 6144] from [T, 4096] at Llama-3-8B), which also lets their
+backward take every du from the input gradient's columns (gemm_lora_du.py). The sum is the same up to fp32 accumulation
 order; the bf16 rounding of u B^T before the add is gone (one rounding of y instead of two).
 
 A frozen weight that is a parameter (a bf16 base) joins too where the step reads it only as such
@@ -58,7 +60,7 @@ def _operands(value, bound: dict):
     if None in (su, sb, sx, sw) or len(sx) != 2 or len(sw) != 2:
         return None
     (tokens, r), (out, inp) = su, sw
-    if sx != [tokens, inp] or sb != [out, r] or r >= inp or out < LORA_K_WIDE * inp or r % LANES or inp % LANES:
+    if sx != [tokens, inp] or sb != [out, r] or r >= inp or r % LANES or inp % LANES:
         return None
     if any(str(v.ty.dtype) != "bfloat16" for v in (u, b, x, w)):
         return None
@@ -94,14 +96,16 @@ def _plan_block(block: relax.DataflowBlock, bound: dict) -> tuple[list, dict]:
             by_x.setdefault(got[2], []).append((i, got[0]))
     plan, first = {}, {}
 
-    def alone(x, members):  # each projection joins x with its own u
+    def alone(x, members):  # each projection wide enough joins x with its own u
         for i, u in members:
-            plan[binds[i].var] = (x, [u], 0)
+            if _out(binds[i]) >= LORA_K_WIDE * _static_shape(x.ty)[1]:
+                plan[binds[i].var] = (x, [u], 0)
 
     for x, members in by_x.items():
         us = [u for _, u in members]
-        if len({_static_shape(u.ty)[1] for u in us}) > 1:  # ranks differ
-            alone(x, members)
+        if len({_static_shape(u.ty)[1] for u in us}) > 1 or len(members) < 2 \
+                or sum(_out(binds[i]) for i, _ in members) < _static_shape(x.ty)[1]:
+            alone(x, members)  # ranks differ, or one projection, or together narrower than x
             continue
         for k, (i, _) in enumerate(members):
             plan[binds[i].var] = (x, us, k)
@@ -128,6 +132,11 @@ def _plan_block(block: relax.DataflowBlock, bound: dict) -> tuple[list, dict]:
             alone(x, members)
         emit(i, -1)
     return [binds[i] for i in order], plan
+
+
+def _out(binding) -> int:
+    """The output width of a planned projection's GEMM."""
+    return _static_shape(binding.var.ty)[1]
 
 
 def _gemm_operands(value):

@@ -183,32 +183,49 @@ def dequant_workspace(spec, train, dtype: str) -> int:
     head = tables[0] if spec.tied else tables[1]
     quant = {name.split(".")[-2] for name, _ in train.quant if name not in tables}
     # projections joined with their LoRA terms into one GEMM over [x | u...] and [W | B | 0...]
-    # (compiler/passes/gemm_lora_k.py): their rows a rank wider per joined projection, and the
-    # step's [T, in + ranks] copy of x beside them
-    wide = [t for t in quant if dtype == "bfloat16" and t in train.lora_targets
-            and spec.proj_shape(t)[0] >= LORA_K_WIDE * spec.proj_shape(t)[1]]
-    extra = len(wide) * train.rank
-    sizes = [spec.proj_shape(t)[0] * (spec.proj_shape(t)[1] + (extra if t in wide else 0)) for t in quant]
-    joined = train.batch * train.seq * (spec.proj_shape(wide[0])[1] + extra) if wide else 0
+    # (compiler/passes/gemm_lora_k.py): their rows a rank wider per projection of their join, and
+    # the step's [T, in + ranks] copy of x beside them
+    groups = joined_groups(spec, train, quant) if dtype == "bfloat16" else []
+    extra = {t: len(group) * train.rank for group in groups for t in group}
+    sizes = [spec.proj_shape(t)[0] * (spec.proj_shape(t)[1] + extra.get(t, 0)) for t in quant]
+    joined = max((train.batch * train.seq * (spec.proj_shape(group[0])[1] + extra[group[0]]) for group in groups),
+                 default=0)
     if head in dict(train.quant):
         sizes.append(max(hi - lo for lo, hi in head_slices(spec.vocab, spec.hidden, train.head_slices)) * spec.hidden)
     return (2 * max(sizes, default=0) + joined) * itemsize
 
 
+INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # projections that read one input
+
+
+def joined_groups(spec, train, among) -> list[tuple[str, ...]]:
+    """The adapted projections of `among` (target names) that compiler/passes/gemm_lora_k.py joins with
+    their LoRA terms, by the join they share: two or more of one input whose outputs together are at
+    least as wide as it (q/k/v, gate/up), or one alone at least LORA_K_WIDE times as wide (Phi-3's
+    fused gate_up). Their ranks must be multiples of 4 (the join's vectors)."""
+    shape = getattr(spec, "proj_shape", None)
+    if shape is None or train.rank % 4:
+        return []
+    adapted = [t for t in train.lora_targets if t in among]
+    groups = [tuple(t for t in group if t in adapted) for group in INPUT_GROUPS]
+    groups = [grp for grp in groups if len(grp) > 1 and sum(shape(t)[0] for t in grp) >= shape(grp[0])[1]]
+    grouped = {t for grp in groups for t in grp}
+    return groups + [(t,) for t in adapted if t not in grouped and shape(t)[0] >= LORA_K_WIDE * shape(t)[1]]
+
+
 def joined_dense(spec, train, dtype: str) -> int:
     """Bytes a bf16 base's projections held joined with their LoRA B columns add (compiler/passes/
-    gemm_lora_k.py): each wide adapted projection's rows a rank wider per wide projection (those of
-    one input share its join: an upper bound where wide ones read different inputs), in every layer,
-    and the step's [T, in + ranks] copy of x beside them."""
-    quant = {name.split(".")[-2] for name, _ in train.quant}
-    shape = getattr(spec, "proj_shape", None)
-    wide = [t for t in train.lora_targets if dtype == "bfloat16" and shape is not None and t not in quant
-            and train.rank % 4 == 0 and shape(t)[0] >= LORA_K_WIDE * shape(t)[1]]
-    if not wide:
+    gemm_lora_k.py): each joined projection's rows a rank wider per projection of its join, in every
+    layer, and the step's [T, in + ranks] copy of x beside them (the widest join's)."""
+    if dtype != "bfloat16":
         return 0
-    extra = len(wide) * train.rank
-    rows = sum(spec.proj_shape(t)[0] for t in wide) * extra * spec.layers
-    return 2 * (rows + train.batch * train.seq * (spec.proj_shape(wide[0])[1] + extra))
+    quant = {name.split(".")[-2] for name, _ in train.quant}
+    groups = joined_groups(spec, train, set(train.lora_targets) - quant)
+    if not groups:
+        return 0
+    rows = sum(spec.proj_shape(t)[0] * len(grp) * train.rank for grp in groups for t in grp) * spec.layers
+    x = max(train.batch * train.seq * (spec.proj_shape(grp[0])[1] + len(grp) * train.rank) for grp in groups)
+    return 2 * (rows + x)
 
 
 def estimate(spec, train, n_weights: int, dtype: str = "bfloat16", packed_bytes: int = 0) -> int | None:
