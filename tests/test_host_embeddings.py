@@ -219,7 +219,7 @@ def test_auto_takes_smaller_loss_chunks_to_keep_more_layers(monkeypatch):
     line = next(m for m in logs if m.startswith("memory: auto"))
     assert "keeping 1 of 32 layers" in line and "512-token loss chunks" in line, line
     # ... and one layer more keeps its MLP half (TrainSpec.keep_mlp), recorded as the chunk is
-    assert plan.cfg.keep_mlp == plan.train.keep_mlp == 1 and "; 1 of those keep their MLP's gate and up" in line
+    assert plan.cfg.keep_mlp == plan.train.keep_mlp == 1 and "; 1 of those keeps its MLP's gate and up" in line
     # --loss-chunk given: kept, and the layer is recomputed
     given, _ = _plan(monkeypatch, LLAMA3_8B, batch=4, memory_budget=20.0, loss_chunk=2048)
     assert (given.cfg.keep_layers, given.train.loss_chunk) == (0, 2048)

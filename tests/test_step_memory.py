@@ -129,8 +129,10 @@ def test_run_resolves_auto(monkeypatch):
     keep, mlp = run.cfg.keep_layers, run.cfg.keep_mlp
     assert run.cfg.checkpointing == "offload" and (keep, mlp) == (run.train_spec.keep_layers, run.train_spec.keep_mlp)
     assert 0 < keep < 32 and keep + mlp == 31 and run.train_spec.offload, (keep, mlp)
-    assert logs[0].startswith(f"memory: auto: checkpointing on, keeping {keep} of 32 layers, their inputs and "
-                              f"attention state offloaded to host memory") and f"; {mlp} of those keep" in logs[0]
+    assert logs[0] == (f"loss chunk: {run.train_spec.loss_chunk} tokens (--checkpointing auto: the default 2048's "
+                       "logits leave no room for the setting below)") and run.train_spec.loss_chunk < 2048
+    assert logs[1].startswith(f"memory: auto: checkpointing on, keeping {keep} of 32 layers, their inputs and "
+                              f"attention state offloaded to host memory") and f"; {mlp} of those keep" in logs[1]
     run, logs = _resolve(monkeypatch, free=140 * 10**9, target="cuda")  # a whole H200: nothing to recompute
     assert run.cfg.checkpointing == "off" and "free on the GPU" in logs[0]
     run, logs = _resolve(monkeypatch, free=None, target="cuda")  # compile-only, no GPU, no budget
@@ -138,7 +140,7 @@ def test_run_resolves_auto(monkeypatch):
     run, _ = _resolve(monkeypatch, target="cuda", backend="ort")
     assert run.cfg.checkpointing == "off"
     run, logs = _resolve(monkeypatch, target="cuda", memory_budget=16.0)  # a bf16 8B base on a 16 GB card
-    assert "trying it anyway; --quantize nf4 (or int8) keeps the linear weights in 4-bit" in logs[0]
+    assert "trying it anyway; --quantize nf4 (or int8) keeps the linear weights in 4-bit" in logs[-1]
     run, logs = _resolve(monkeypatch, target="cuda", keep_layers=5)
     assert (run.cfg.checkpointing, run.train_spec.keep_layers) == ("on", 5) and "--keep-layers given" in logs[0]
 
@@ -178,7 +180,7 @@ def test_auto_drops_the_offloaded_state_before_it_gives_up(monkeypatch):
     gb = (budget + step_memory.WORKSPACE) / 1e9
     run, logs = _resolve(monkeypatch, target="cuda", memory_budget=gb, offload_embeddings="off")  # estimated as above
     assert run.cfg.checkpointing == "offload" and run.cfg.offload_state == "off"
-    assert run.train_spec.offload_state is False and "their inputs offloaded to host memory" in logs[0]
+    assert run.train_spec.offload_state is False and "their inputs offloaded to host memory" in logs[-1]
     assert devices.for_target("cuda").OFFLOADS
     # --resume of that run compiles the same graph: the state stays off where the flag is auto
     state = {"train_config": {"checkpointing": "offload", "keep_layers": 0, "offload_state": "off"}}

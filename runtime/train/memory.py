@@ -71,7 +71,8 @@ def describe(checkpointing: bool, keep_layers: int, n_trained: int, offload: boo
     where = f", their {what} offloaded to host memory{pinned}" if offload and keep_layers < n_trained else ""
     if keep_mlp and where:
         mlp = min(keep_mlp, n_trained - min(keep_layers, n_trained))
-        where += f"; {mlp} of those keep their MLP's gate and up on the GPU (no recompute)"
+        where += f"; {mlp} of those {'keeps its' if mlp == 1 else 'keep their'} MLP's gate and up on the GPU " \
+                 "(no recompute)"
     if keep_layers:
         return f"checkpointing on, keeping {min(keep_layers, n_trained)} of {n_trained} layers{where}"
     return f"checkpointing on, all {n_trained} layers recomputed{where}"

@@ -194,6 +194,9 @@ def choose_checkpointing(cfg: TrainConfig, spec, train, frozen: tuple[int, int],
         ckpt, keep, off, why = choice.checkpointing, choice.keep_layers, choice.offload, choice.why
         state_off, mlp = choice.state_off, choice.keep_mlp
         if choice.loss_chunk is not None:  # recorded, so a resumed run compiles the same step
+            if log is not None:
+                log(f"loss chunk: {choice.loss_chunk} tokens (--checkpointing auto: the default {train.loss_chunk}'s "
+                    "logits leave no room for the setting below)")
             train, cfg = replace(train, loss_chunk=choice.loss_chunk), replace(cfg, loss_chunk=choice.loss_chunk)
         if choice.need is not None and choice.need > budget and device.KEEPS_QUANTIZED and not train.quant:
             why += "; " + limits.QUANTIZE_HINT
