@@ -27,6 +27,10 @@ def packed_bias_bytes(batch: int, seq: int) -> int:
 # than its input runs as one GEMM over [x | u] and [W | B] in bf16 CUDA steps
 # (compiler/passes/gemm_lora_k.py); the memory estimate counts the wider rows (runtime/train/memory.py).
 LORA_K_WIDE = 2
+# ... and the adapted projections of one input (q/k/v) join together where their outputs together are at
+# least as wide as it, which lets a bf16 base hold them joined too (off until its GPU numerics and step
+# time are measured: the CPU tests check its algebra)
+LORA_K_GROUPS = False
 
 # Each activation-offload call holds the values of this many slots offloaded before it, so the CUDA
 # runtime copies a slot to the host straight from the step's memory and the call that lets it go

@@ -94,7 +94,7 @@ def test_quantized_tables_hold_the_bytes_the_plan_counts(kind, tied):
         assert np.abs(got - w).max() <= (np.abs(w).max() / (7 if kind == "nf4" else 254)) * 1.01  # a code step at most
 
 
-def test_the_estimate_shrinks_by_the_tables_and_the_head_gradient():
+def test_the_estimate_shrinks_by_the_tables_and_the_head_gradient(monkeypatch):
     """Llama-3-8B shape 1x2048, NF4 layers, every layer recomputed: NF4 tables take 0.59 GB instead of
     2.10 GB in bf16, and the loss holds one slice's logit gradient instead of the whole [T, V] one;
     the dequantization workspace stays a projection's (a head slice is smaller)."""
@@ -120,8 +120,12 @@ def test_the_estimate_shrinks_by_the_tables_and_the_head_gradient():
     assert before - after == weights + loss
     assert 1.98e9 < before - after < 2.0e9
     # the same with the head given as 3 slices: the slice is wider than a projection -> a larger workspace
-    # (beside it the copy of x that q and v, together wider than it, share with their u: [T, D + 2 r])
     wide = replace(q, head_slices=3)
+    assert memory.dequant_workspace(spec, wide, "bfloat16") == 2 * 42752 * D * 2
+    # with LORA_K_GROUPS q and v (together wider than their input) join: beside it the copy of x they share
+    # with their u, [T, D + 2 r]
+    from lorac.core import constants
+    monkeypatch.setattr(constants, "LORA_K_GROUPS", True)
     assert memory.dequant_workspace(spec, wide, "bfloat16") == 2 * 42752 * D * 2 + 2 * T * (D + 2 * 16)
 
 
@@ -148,11 +152,12 @@ def test_auto_quantizes_the_tables_only_where_nothing_fits_with_them_dense(monke
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(dict(plan.train.quant))
     assert dict(plan.train.quant)["lm_head.weight"].double is False
     assert logs[1].startswith("embeddings: auto: nf4 (with dense embeddings even full checkpointing needs an estimated")
-    # every layer's inputs and attention state offloaded (two staging slots and the one fetched ahead,
-    # 0.23 GB), 7 of them keeping their MLP half: 7 layers without a recompute where 4 kept whole would fit
-    assert logs[2].startswith("memory: auto: checkpointing on, all 32 layers recomputed, their inputs and attention "
+    # keeping 1 layer, the others' inputs and attention state offloaded (two staging slots and the one
+    # fetched ahead, 0.23 GB), 6 of those keeping their MLP half: 7 layers without a recompute where 4
+    # kept whole would fit
+    assert logs[2].startswith("memory: auto: checkpointing on, keeping 1 of 32 layers, their inputs and attention "
                               "state offloaded") and "estimated 6.9 GB of a 6.9 GB" in logs[2]
-    assert "; 7 of those keep their MLP's gate and up on the GPU" in logs[2] and plan.train.keep_mlp == 7
+    assert "; 6 of those keep their MLP's gate and up on the GPU" in logs[2] and plan.train.keep_mlp == 6
     assert logs[3].startswith("embeddings: model.embed_tokens.weight and lm_head.weight held as nf4: 0.59 GB")
     plan, logs = _plan(monkeypatch, LLAMA3_8B, layers, memory_budget=10.0, offload_embeddings="off")  # dense fit
     assert plan.cfg.quantize_embeddings == "off" and not any(n.startswith(("model.embed", "lm_head"))

@@ -212,12 +212,12 @@ def test_auto_takes_smaller_loss_chunks_to_keep_more_layers(monkeypatch):
     assert memory.loss_chunks(2048, 8192) == (2048, 1024, 512)
     assert memory.loss_chunks(0, 3000) == (0, 2048, 1024, 512)  # one chunk by default: powers of two below
     assert memory.loss_chunks(512, 8192) == (512,)
-    # a dense 8B base at 4x2048 on 20 GB: 512-token chunks (0.77 GB less logits than 2048) keep the top layer
+    # a dense 8B base at 4x2048 on 20 GB: 1024-token chunks (0.5 GB less logits than 2048) keep the top layer
     plan, logs = _plan(monkeypatch, LLAMA3_8B, batch=4, memory_budget=20.0)
     assert (plan.cfg.checkpointing, plan.cfg.keep_layers, plan.train.keep_layers) == ("offload", 1, 1)
-    assert plan.cfg.loss_chunk == plan.train.loss_chunk == 512  # recorded: a resumed run compiles the same step
+    assert plan.cfg.loss_chunk == plan.train.loss_chunk == 1024  # recorded: a resumed run compiles the same step
     line = next(m for m in logs if m.startswith("memory: auto"))
-    assert "keeping 1 of 32 layers" in line and "512-token loss chunks" in line, line
+    assert "keeping 1 of 32 layers" in line and "1024-token loss chunks" in line, line
     # ... and one layer more keeps its MLP half (TrainSpec.keep_mlp), recorded as the chunk is
     assert plan.cfg.keep_mlp == plan.train.keep_mlp == 1 and "; 1 of those keeps its MLP's gate and up" in line
     # --loss-chunk given: kept, and the layer is recomputed

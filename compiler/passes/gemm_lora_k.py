@@ -14,9 +14,10 @@ rewrite applies only there (a weight computed in the step, not a parameter) and 
 is at least LORA_K_WIDE times as wide as x (the copy of x then costs less than the pass over y
 it saves). Projections of one x (gate and up; q, k and v) share its join: both GEMMs read
 [x | u_gate | u_up], against [W_gate | B_gate | 0] and [W_up | 0 | B_up] (the zeros formed in the
-joining kernel), so x is copied once a forward; such a group joins where its outputs together are
-at least as wide as x (q/k/v: [T, 6144] from [T, 4096] at Llama-3-8B), which also lets their
-backward take every du from the input gradient's columns (gemm_lora_du.py). The sum is the same up to fp32 accumulation
+joining kernel), so x is copied once a forward. With LORA_K_GROUPS (core/constants.py; off until
+measured on a GPU) a group joins where its outputs together are at least as wide as x (q/k/v:
+[T, 6144] from [T, 4096] at Llama-3-8B), which also lets their backward take every du from the
+input gradient's columns (gemm_lora_du.py). The sum is the same up to fp32 accumulation
 order; the bf16 rounding of u B^T before the add is gone (one rounding of y instead of two).
 
 A frozen weight that is a parameter (a bf16 base) joins too where the step reads it only as such
@@ -33,6 +34,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from lorac.core import constants
 from lorac.core.constants import LORA_K_WIDE
 
 from .gemm import GEMM_PREFIX, _static_shape
@@ -96,16 +98,19 @@ def _plan_block(block: relax.DataflowBlock, bound: dict) -> tuple[list, dict]:
             by_x.setdefault(got[2], []).append((i, got[0]))
     plan, first = {}, {}
 
-    def alone(x, members):  # each projection wide enough joins x with its own u
+    def alone(x, members):  # each projection joins x with its own u
         for i, u in members:
-            if _out(binds[i]) >= LORA_K_WIDE * _static_shape(x.ty)[1]:
-                plan[binds[i].var] = (x, [u], 0)
+            plan[binds[i].var] = (x, [u], 0)
 
     for x, members in by_x.items():
+        inp = _static_shape(x.ty)[1]
+        if not (constants.LORA_K_GROUPS and len(members) > 1 and sum(_out(binds[i]) for i, _ in members) >= inp):
+            members = [(i, u) for i, u in members if _out(binds[i]) >= LORA_K_WIDE * inp]  # the wide ones
+        if not members:
+            continue
         us = [u for _, u in members]
-        if len({_static_shape(u.ty)[1] for u in us}) > 1 or len(members) < 2 \
-                or sum(_out(binds[i]) for i, _ in members) < _static_shape(x.ty)[1]:
-            alone(x, members)  # ranks differ, or one projection, or together narrower than x
+        if len({_static_shape(u.ty)[1] for u in us}) > 1:  # ranks differ
+            alone(x, members)
             continue
         for k, (i, _) in enumerate(members):
             plan[binds[i].var] = (x, us, k)

@@ -42,6 +42,7 @@ import math
 
 from dataclasses import dataclass, replace
 
+from lorac.core import constants
 from lorac.core.constants import LORA_K_WIDE, packed_bias_bytes
 
 GiB = 1 << 30
@@ -201,17 +202,25 @@ INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # pro
 
 def joined_groups(spec, train, among) -> list[tuple[str, ...]]:
     """The adapted projections of `among` (target names) that compiler/passes/gemm_lora_k.py joins with
-    their LoRA terms, by the join they share: two or more of one input whose outputs together are at
-    least as wide as it (q/k/v, gate/up), or one alone at least LORA_K_WIDE times as wide (Phi-3's
-    fused gate_up). Their ranks must be multiples of 4 (the join's vectors)."""
+    their LoRA terms, by the join they share: those of one input at least LORA_K_WIDE times as wide as
+    it (gate/up; Phi-3's fused gate_up alone), or with LORA_K_GROUPS two or more of one input whose
+    outputs together are at least as wide as it (q/k/v too). Their ranks must be multiples of 4 (the
+    join's vectors)."""
     shape = getattr(spec, "proj_shape", None)
     if shape is None or train.rank % 4:
         return []
     adapted = [t for t in train.lora_targets if t in among]
-    groups = [tuple(t for t in group if t in adapted) for group in INPUT_GROUPS]
-    groups = [grp for grp in groups if len(grp) > 1 and sum(shape(t)[0] for t in grp) >= shape(grp[0])[1]]
+    wide = lambda t: shape(t)[0] >= LORA_K_WIDE * shape(t)[1]  # noqa: E731
+    groups = []
+    for group in INPUT_GROUPS:
+        members = tuple(t for t in group if t in adapted)
+        joined = sum(shape(t)[0] for t in members) >= shape(group[0])[1] if members else False
+        if not (constants.LORA_K_GROUPS and len(members) > 1 and joined):
+            members = tuple(t for t in members if wide(t))
+        if members:
+            groups.append(members)
     grouped = {t for grp in groups for t in grp}
-    return groups + [(t,) for t in adapted if t not in grouped and shape(t)[0] >= LORA_K_WIDE * shape(t)[1]]
+    return groups + [(t,) for t in adapted if t not in grouped and wide(t)]
 
 
 def joined_dense(spec, train, dtype: str) -> int:
