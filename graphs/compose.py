@@ -35,6 +35,8 @@ def build_training_graph(spec, train, dtype="float32") -> onnx.ModelProto:
     labels = g.input("labels", [train.batch, train.seq], INT64)
     lowest = train.layers(spec)[0]
     state = offloads_state(spec, train)
+    if train.keep_mlp and not hasattr(fam, "mlp_state"):
+        raise ValueError(f"--keep-mlp is not implemented for {spec.arch}")
     if train.keep_mlp and not state:
         raise ValueError("--keep-mlp keeps the MLP half of layers whose attention state waits in host memory; at "
                          "this shape the state stays (--offload-state auto sends it only where the host link keeps "
@@ -86,8 +88,6 @@ def offloads_state(spec, train) -> bool:
     """Whether the step's offloaded layers send their attention state too (TrainSpec.offload_state,
     where the family implements it; None: where the family says the copies hide behind the forward)."""
     fam = family(spec)
-    if train.keep_mlp and not hasattr(fam, "mlp_state"):
-        raise ValueError(f"--keep-mlp is not implemented for {spec.arch}")
     if not train.offload or not hasattr(fam, "layer_refill"):
         return False
     return fam.state_offload_pays(spec) if train.offload_state is None else bool(train.offload_state)

@@ -141,18 +141,20 @@ class TrainSpec:
         """Whether the backward recomputes `layer`'s forward from its input (checkpointing).
         keep_layers > 0 keeps the activations of that many of the highest trained layers:
         between no checkpointing's speed and full checkpointing's memory."""
+        return layer in self.recomputed_layers(spec)
+
+    def recomputed_layers(self, spec: ModelSpec) -> tuple[int, ...]:
+        """The trained layers the backward recomputes, bottom up (recomputes)."""
         if not self.checkpointing:
-            return False
+            return ()
         trained = self.layers(spec)
-        return layer in trained[:max(len(trained) - self.keep_layers, 0)]
+        return trained[:max(len(trained) - self.keep_layers, 0)]
 
     def keeps_mlp(self, spec: ModelSpec, layer: int) -> bool:
         """Whether recomputed `layer` keeps its MLP's gate and up (keep_mlp: the highest recomputed
         trained layers)."""
-        if not (self.keep_mlp and self.recomputes(spec, layer)):
-            return False
-        recomputed = [i for i in self.layers(spec) if self.recomputes(spec, i)]
-        return layer in recomputed[len(recomputed) - self.keep_mlp:]
+        recomputed = self.recomputed_layers(spec) if self.keep_mlp else ()
+        return layer in recomputed[max(len(recomputed) - self.keep_mlp, 0):]
 
     def quant_of(self, name: str):
         """The Quant of frozen weight `name`, or None where it is dense."""

@@ -136,7 +136,8 @@ class TrainConfig:
     memory_budget: float | None = setting(None, "GB of device memory the run may use, for --checkpointing auto "
                                           "(default: the GPU's free memory less a reserve)", type=float)
     loss_chunk: int = setting(0, "tokens per cross-entropy chunk (0: one chunk on cpu; on cuda chunks whose fp32 "
-                              "logits fit 1.5 GiB, on webgpu 512 MiB; --checkpointing auto may take smaller ones to keep more layers)")
+                              "logits fit 1.5 GiB, on webgpu 512 MiB; --checkpointing auto may take smaller ones "
+                              "to keep more layers)")
     scan_chunk: int = setting(0, "Mamba scan chunk length (0: the device's default, 64 on cpu and 16 on cuda; "
                               "graphs/mamba.py DEVICE_CHUNK)")
     eval_every: int = setting(10, "steps between evals")

@@ -100,12 +100,12 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
     T = train.batch * train.seq
     if getattr(train, "offload", False):  # a recomputed layer's input waits in host memory (graphs/ops/offload.py)
         recomputed = max(recomputed - itemsize * spec.hidden, 0)
-    trained = len(train.layers(spec))
-    n_recomputed = max(trained - train.keep_layers, 0) if train.checkpointing else 0
-    mlp = for_spec(spec).mlp_state_bytes(spec, itemsize) if getattr(train, "keep_mlp", 0) else 0
-    kept = [full] * trained if not train.checkpointing else \
-        [recomputed + (mlp if i >= n_recomputed - train.keep_mlp else 0) for i in range(n_recomputed)] + \
-        [lean] * (trained - n_recomputed)  # bottom up (TrainSpec.recomputes, keeps_mlp)
+    again = train.recomputed_layers(spec)
+    mlp_layers = set(again[max(len(again) - train.keep_mlp, 0):]) if train.keep_mlp else set()  # keeps_mlp's
+    mlp = for_spec(spec).mlp_state_bytes(spec, itemsize) if mlp_layers else 0
+    again = set(again)
+    kept = [full if not train.checkpointing else lean if layer not in again else
+            recomputed + (mlp if layer in mlp_layers else 0) for layer in train.layers(spec)]
     chunk = min(train.loss_chunk or T, T)
     peak = (sum(kept) + 3 * itemsize * spec.hidden) * T + loss_bytes(spec, train, chunk)  # the loss, everything kept
     below = 0.0
@@ -197,22 +197,20 @@ def dequant_workspace(spec, train, dtype: str) -> int:
     return (2 * max(sizes, default=0) + joined) * itemsize
 
 
-INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # projections that read one input
-
-
 def joined_groups(spec, train, among) -> list[tuple[str, ...]]:
     """The adapted projections of `among` (target names) that compiler/passes/gemm_lora_k.py joins with
     their LoRA terms, by the join they share: those of one input at least LORA_K_WIDE times as wide as
     it (gate/up; Phi-3's fused gate_up alone), or with LORA_K_GROUPS two or more of one input whose
     outputs together are at least as wide as it (q/k/v too). Their ranks must be multiples of 4 (the
     join's vectors)."""
+    from lorac.graphs.decoder import GATE_UP, QKV  # the projections that read one input
     shape = getattr(spec, "proj_shape", None)
     if shape is None or train.rank % 4:
         return []
     adapted = [t for t in train.lora_targets if t in among]
     wide = lambda t: shape(t)[0] >= LORA_K_WIDE * shape(t)[1]  # noqa: E731
     groups = []
-    for group in INPUT_GROUPS:
+    for group in (QKV, GATE_UP):
         members = tuple(t for t in group if t in adapted)
         joined = sum(shape(t)[0] for t in members) >= shape(group[0])[1] if members else False
         if not (constants.LORA_K_GROUPS and len(members) > 1 and joined):
