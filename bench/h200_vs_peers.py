@@ -96,6 +96,11 @@ CASES = {
     "8b-4x2048-offload-lc512-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
                                                                      "loss_chunk": 512, "embed_host": True},
                                    ["fast:unsloth-gc"]),
+    # what --memory-budget 20 picked before --keep-mlp and smaller loss chunks (every layer recomputed, inputs
+    # and attention state offloaded, 2048-token chunks): auto20-eh's baseline on the same machine
+    "8b-4x2048-offload-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
+                                                               "loss_chunk": 2048, "embed_host": True},
+                             ["fast:unsloth-gc"]),
     # what --memory-budget 20 picks over a bf16 base (with the attention state every layer recomputed does
     # not fit: the offloaded inputs alone, runtime/train/memory.py choose)
     "8b-4x2048-auto20": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 20.0}, ["fast:unsloth-gc"]),

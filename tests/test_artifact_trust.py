@@ -233,3 +233,24 @@ def test_the_written_manifest_is_the_record_as_json(built):
     assert text == json.dumps(Manifest.from_json(json.loads(text)).to_json(), indent=1) + "\n"
     step = load_artifact(art)
     assert step.manifest.target.device == "cpu" and step.inputs == json.loads(text)["inputs"]
+
+
+@pytest.mark.parametrize("error", [ImportError("No module named 'onnx'"),
+                                   AttributeError("module 'tvm.ir._ffi_api' has no attribute 'RegisterOpAttr'")])
+def test_a_miss_without_a_compiler_is_one_line(tmp_path, monkeypatch, error):
+    """A cache miss where the compiler cannot be imported (the onnx pin missing, or a runtime-only
+    TVM, whose compiler half fails on import with an AttributeError) says so in one line."""
+    import builtins
+
+    from lorac.runtime.engine.graphs import compiled
+    real = builtins.__import__
+
+    def no_compiler(name, *args, **kwargs):
+        if name == "lorac.compiler":
+            raise error
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_compiler)
+    with pytest.raises(LoracError, match="is missing, and this machine cannot compile it") as e:
+        compiled(lambda: pytest.fail("built without a compiler"), "0" * 16, "train", "cuda", "bfloat16", tmp_path)
+    assert "\n" not in str(e.value) and str(error) in str(e.value)  # one line, naming the cause

@@ -65,7 +65,7 @@ def compiled(build, key: str, kind: str, target: str, dtype: str, cache_dir, log
             log(f"cache entry {art.name} is unusable ({bad}); rebuilding it")
         try:
             from lorac.compiler import compile_graph  # the compiler is needed only on a cache miss
-        except ImportError as e:
+        except Exception as e:  # noqa: BLE001  ImportError, or a runtime-only TVM's AttributeError on import
             why = "is missing" if bad == "missing" else f"is unusable ({bad})"
             raise LoracError(f"cache entry {art} {why}, and this machine cannot compile it "
                              f"({e}); compile it where lorac's compile extra is installed") from None
