@@ -107,6 +107,10 @@ CASES = {
     # ... and with the input embedding in host memory, as `lorac train --memory-budget 20` now holds it
     "8b-4x2048-auto20-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 20.0, "embed_host": True},
                             ["fast:unsloth-gc"]),
+    # auto20-eh's pick with one more MLP half kept (0.47 GB): what fits under Unsloth bf16's 19.8 GB in use
+    "8b-4x2048-keep1-mlp2-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"checkpointing": True, "offload": True,
+                                                                  "keep_layers": 1, "keep_mlp": 2, "loss_chunk": 1024,
+                                                                  "embed_host": True}, ["fast:unsloth-gc"]),
     # the same a little below Unsloth bf16's 19.8 GB in use (the estimate leaves ~0.9 GB of a bf16 step out)
     "8b-4x2048-auto19.5-eh": (LLAMA3_8B, "llama3-8b", 4, 2048, {"memory_budget": 19.5, "embed_host": True},
                               ["fast:unsloth-gc"]),
