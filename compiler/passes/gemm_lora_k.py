@@ -14,8 +14,8 @@ rewrite applies only there (a weight computed in the step, not a parameter) and 
 is at least LORA_K_WIDE times as wide as x (the copy of x then costs less than the pass over y
 it saves). Projections of one x (gate and up; q, k and v) share its join: both GEMMs read
 [x | u_gate | u_up], against [W_gate | B_gate | 0] and [W_up | 0 | B_up] (the zeros formed in the
-joining kernel), so x is copied once a forward. With LORA_K_GROUPS (core/constants.py; off until
-measured on a GPU) a group joins where its outputs together are at least as wide as x (q/k/v:
+joining kernel), so x is copied once a forward. With LORA_K_GROUPS (core/constants.py; off: no
+gain measured on an H100) a group joins where its outputs together are at least as wide as x (q/k/v:
 [T, 6144] from [T, 4096] at Llama-3-8B), which also lets their backward take every du from the
 input gradient's columns (gemm_lora_du.py). The sum is the same up to fp32 accumulation
 order; the bf16 rounding of u B^T before the add is gone (one rounding of y instead of two).
