@@ -151,10 +151,13 @@ class TrainSpec:
         return trained[:max(len(trained) - self.keep_layers, 0)]
 
     def keeps_mlp(self, spec: ModelSpec, layer: int) -> bool:
-        """Whether recomputed `layer` keeps its MLP's gate and up (keep_mlp: the highest recomputed
-        trained layers)."""
+        """Whether recomputed `layer` keeps its MLP's gate and up (mlp_kept_layers)."""
+        return layer in self.mlp_kept_layers(spec)
+
+    def mlp_kept_layers(self, spec: ModelSpec) -> tuple[int, ...]:
+        """The recomputed layers that keep their MLP's gate and up: the keep_mlp highest of them."""
         recomputed = self.recomputed_layers(spec) if self.keep_mlp else ()
-        return layer in recomputed[max(len(recomputed) - self.keep_mlp, 0):]
+        return recomputed[max(len(recomputed) - self.keep_mlp, 0):]
 
     def quant_of(self, name: str):
         """The Quant of frozen weight `name`, or None where it is dense."""

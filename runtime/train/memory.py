@@ -100,10 +100,8 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
     T = train.batch * train.seq
     if getattr(train, "offload", False):  # a recomputed layer's input waits in host memory (graphs/ops/offload.py)
         recomputed = max(recomputed - itemsize * spec.hidden, 0)
-    again = train.recomputed_layers(spec)
-    mlp_layers = set(again[max(len(again) - train.keep_mlp, 0):]) if train.keep_mlp else set()  # keeps_mlp's
+    again, mlp_layers = set(train.recomputed_layers(spec)), set(train.mlp_kept_layers(spec))  # once a plan
     mlp = for_spec(spec).mlp_state_bytes(spec, itemsize) if mlp_layers else 0
-    again = set(again)
     kept = [full if not train.checkpointing else lean if layer not in again else
             recomputed + (mlp if layer in mlp_layers else 0) for layer in train.layers(spec)]
     chunk = min(train.loss_chunk or T, T)
