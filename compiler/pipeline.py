@@ -149,11 +149,13 @@ def import_onnx(proto: onnx.ModelProto, tmod, dtype: str):
 
     from tvm.relax.frontend.onnx import from_onnx
 
+    from .frontend_ops import frontend_ops
+
     native = tmod.native_units(dtype) if hasattr(tmod, "native_units") else {}
     proto, units = split_units(proto, native)
     check_supported_ops(proto, tuple(units))
     anchored = anchor_outputs(onnx.ModelProto.FromString(proto.SerializeToString()))
-    with warnings.catch_warnings(), frontend_with({u: native[u] for u in units}):
+    with warnings.catch_warnings(), frontend_with({**frontend_ops(), **{u: native[u] for u in units}}):
         warnings.simplefilter("ignore")  # one "Renaming name" warning per dotted input
         mod = from_onnx(anchored, keep_params_in_input=False)
     calls = {json.dumps(c, sort_keys=True): c for u in units for c in getattr(native[u], "unit_calls", [])}

@@ -33,7 +33,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .rewrite import dataflow_blocks, rewrite_functions
+from .rewrite import dataflow_blocks, eliminate_dead_code, rewrite_functions
 
 GEMM_PREFIX = "lorac.gemm_"
 GEMM_NAMES = tuple(GEMM_PREFIX + a + b for a in "nt" for b in "nt")
@@ -187,5 +187,5 @@ def dispatch_gemms(mod: tvm.IRModule, compute_dtype: str = "float32") -> tuple[t
     rw = _GemmRewriter(mod, compute_dtype)
     mod = rewrite_functions(rw, mod)
     if compute_dtype != "float32":  # the fp32 widenings of bf16 weights that only GEMMs read
-        mod = relax.transform.DeadCodeElimination()(mod)
+        mod = eliminate_dead_code(mod)
     return mod, rw.rewritten, rw.left

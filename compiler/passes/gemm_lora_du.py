@@ -34,7 +34,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .gemm import GEMM_PREFIX, _static_shape
 from .gemm_lora_k import _from_parameter, _gemm_operands, _join_columns, _root
 from .gemm_sum import ACC_PREFIX
-from .rewrite import rewrite_functions
+from .rewrite import eliminate_dead_code, rewrite_functions
 
 JOIN_DEQUANTIZED = False  # weights dequantized in the step too (see above); off: slower as measured
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
@@ -248,5 +248,5 @@ def lora_du_columns(mod: tvm.IRModule, slots: dict, dequantized: bool = JOIN_DEQ
         return mod, 0, []
     rewriter = _Columns(mod, dus, accs)
     mod = rewrite_functions(rewriter, mod)
-    mod = relax.transform.DeadCodeElimination()(mod)
+    mod = eliminate_dead_code(mod)
     return mod, rewriter.rewritten, sorted(rewriter.names)

@@ -39,7 +39,7 @@ from lorac.core.constants import LORA_K_WIDE
 
 from .gemm import GEMM_PREFIX, _static_shape
 from .gemm_sum import ACC_PREFIX
-from .rewrite import rewrite_functions
+from .rewrite import eliminate_dead_code, rewrite_functions
 
 LANES = 4  # the concatenations' vector width: in and r multiples of it
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
@@ -306,6 +306,6 @@ def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict]:
         func = mod["main"]
         params = [rewriter.held.get(p, p) for p in func.params]
         mod["main"] = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
-    mod = relax.transform.DeadCodeElimination()(mod)  # the aliases the joins skip
+    mod = eliminate_dead_code(mod)  # the aliases the joins skip
     slots = {new.name: (_static_shape(p.ty)[1], n, r, k) for p, new in rewriter.held.items() for n, k, r in [resident[p]]}
     return mod, rewriter.rewritten, slots

@@ -20,7 +20,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .gemm import GEMM_PREFIX, _static_shape
-from .rewrite import dataflow_blocks, rewrite_functions
+from .rewrite import dataflow_blocks, eliminate_dead_code, rewrite_functions
 
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
 _ASTYPE = tvm.ir.Op.get("relax.astype")
@@ -126,7 +126,7 @@ def narrow_values(mod: tvm.IRModule, narrow: set, dtype: str = "bfloat16") -> tu
     rw = _NarrowOutputs(mod, dtype, narrow)
     mod = rewrite_functions(rw, mod)
     # the widenings that gathers and GEMMs no longer read
-    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod)), rw.count
+    return eliminate_dead_code(relax.transform.Normalize()(mod)), rw.count
 
 
 def narrow_gemm_outputs(mod: tvm.IRModule, dtype: str = "bfloat16") -> tuple[tvm.IRModule, int]:

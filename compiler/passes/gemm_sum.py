@@ -10,7 +10,7 @@ those passes over fp32 activations were a large share of the TVM kernels' time. 
 further one accumulating into it (cuBLAS beta = 1). The terms go in order of their
 reduction length: a LoRA term (K = r) writes `out` first and the frozen GEMM adds into it. Targets opt in (ACCUMULATING_GEMMS). Chains fold:
 an accumulating call used only by another such Add joins it. The replaced GEMMs are dead
-afterwards and DeadCodeElimination drops them.
+afterwards and eliminate_dead_code drops them.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .gemm import GEMM_PREFIX, _static_shape
-from .rewrite import dataflow_blocks, rewrite_functions
+from .rewrite import dataflow_blocks, eliminate_dead_code, rewrite_functions
 
 ACC_PREFIX = GEMM_PREFIX + "acc_"
 _ADD = tvm.ir.Op.get("relax.add")
@@ -94,7 +94,7 @@ def fuse_gemm_sums(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
     mod = rewrite_functions(fuser, mod)
     if not fuser.fused:
         return mod, []
-    mod = relax.transform.DeadCodeElimination()(mod)  # the absorbed GEMMs and inner sums
+    mod = eliminate_dead_code(mod)  # the absorbed GEMMs and inner sums
     names = set()
     for func in mod.functions.values():
         if isinstance(func, relax.Function):

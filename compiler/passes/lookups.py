@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .rewrite import rewrite_functions
+from .rewrite import eliminate_dead_code, rewrite_functions
 
 LOOKUP_MAX = 4096  # values in a table whose lookups fuse (NF4 codes: 16, nested absmax code: 256, GGUF powers of two: 64)
 _INJECTIVE = 2     # tvm::relax::OpPatternKind::kInjective
@@ -115,4 +115,4 @@ def unwrap_unsigned_indices(mod: tvm.IRModule) -> tvm.IRModule:
     aliases and the comparisons and adds left unused removed, so the widening fuses into the
     lookup)."""
     mod = relax.transform.CanonicalizeBindings()(rewrite_functions(_UnwrapUnsignedIndices(mod), mod))
-    return relax.transform.DeadCodeElimination()(mod)
+    return eliminate_dead_code(mod)

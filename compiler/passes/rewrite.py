@@ -20,3 +20,46 @@ def dataflow_blocks(mod: tvm.IRModule):
     for func in mod.functions.values():
         if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
             yield from (b for b in func.body.blocks if isinstance(b, relax.DataflowBlock))
+
+
+def with_blocks(func: relax.Function, blocks: list) -> relax.Function:
+    """`func` with its body's binding blocks replaced (its output, signature and attributes kept)."""
+    return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs)
+
+
+def _sweep(func: relax.Function) -> relax.Function:
+    """`func` without the top-level bindings nothing reads: one walk from its output back to its
+    first binding. Impure calls and match_casts stay, as TVM's RemoveAllUnused keeps them."""
+    if not isinstance(func.body, relax.SeqExpr):
+        return func
+    free, impure = relax.analysis.free_vars, relax.analysis.contains_impure_call
+    live, blocks, dropped = set(free(func.body.body)), [], 0
+    for block in reversed(func.body.blocks):
+        kept = []
+        for b in reversed(block.bindings):
+            if b.var in live or isinstance(b, relax.MatchCast) or impure(b.value):
+                live.update(free(b.value))
+                kept.append(b)
+        dropped += len(block.bindings) - len(kept)
+        blocks.append(type(block)(kept[::-1]))
+    return with_blocks(func, blocks[::-1]) if dropped else func
+
+
+def eliminate_dead_code(mod: tvm.IRModule) -> tvm.IRModule:
+    """relax.transform.DeadCodeElimination, with the unused bindings dropped first in linear time.
+    TVM's RemoveAllUnused costs (unused bindings) x (all bindings): 20.9 s on an 8B NF4 training
+    graph's 6150 dead bindings of 26552, against 0.17 s for this walk; on what the walk leaves, TVM's
+    pass (which also drops unused functions) takes 0.18 s."""
+    swept = {gv: _sweep(f) for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+    changed = {gv: f for gv, f in swept.items() if not f.same_as(mod[gv])}
+    if changed:
+        mod = mod.clone()  # the caller's module stays as it was
+        for gv, f in changed.items():
+            mod[gv] = f
+    return relax.transform.DeadCodeElimination()(mod)
+
+
+@tvm.transform.module_pass(opt_level=0, name="LoracSweepDeadBindings")
+def SweepDeadBindings(mod, _ctx):
+    """eliminate_dead_code as a pass: before FoldConstant, whose RemoveAllUnused is as slow."""
+    return eliminate_dead_code(mod)
