@@ -25,6 +25,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .passes.rewrite import with_blocks
+
 ALIGN = 256
 _ALLOC_STORAGE = "relax.memory.alloc_storage"
 _ALLOC_TENSOR = "relax.memory.alloc_tensor"
@@ -165,8 +167,7 @@ def arena_plan(func: relax.Function) -> relax.Function:
                 continue
             out.append(b)
         new_blocks.append(type(blk)(out))
-    body = relax.SeqExpr(new_blocks, func.body.body)
-    return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+    return with_blocks(func, new_blocks)
 
 
 @tvm.transform.module_pass(opt_level=0, name="LoracArenaPlan")

@@ -39,7 +39,7 @@ from lorac.core.constants import LORA_K_WIDE
 
 from .gemm import GEMM_PREFIX, _static_shape
 from .gemm_sum import ACC_PREFIX
-from .rewrite import eliminate_dead_code, rewrite_functions
+from .rewrite import eliminate_dead_code, rewrite_functions, with_blocks
 
 LANES = 4  # the concatenations' vector width: in and r multiples of it
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
@@ -290,8 +290,7 @@ def concat_lora_gemms(mod: tvm.IRModule) -> tuple[tvm.IRModule, int, dict]:
                 binds, got = _plan_block(block, bound)
                 block, plan = relax.DataflowBlock(binds), {**plan, **got}
             blocks.append(block)
-        mod[gv] = relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty,
-                                 func.is_pure, func.attrs)
+        mod[gv] = with_blocks(func, blocks)
     main = mod["main"] if "main" in [gv.name_hint for gv in mod.get_global_vars()] else None
     resident = _resident(main, bound, plan) if isinstance(main, relax.Function) else {}
     # a projection over a parameter not held joined keeps its accumulating pair (a join would copy
