@@ -1,6 +1,6 @@
 """Running a Relax expression mutator over a whole module (gemm.py, gemm_sum.py,
 compiler/passes/fast_math.py and compiler/passes/legalize_cache.py each rewrite calls with one), and walking its dataflow
-blocks (the analyses those rewrites start from)."""
+blocks (the analyses those rewrites start from), and removing the bindings those rewrites leave unread."""
 from __future__ import annotations
 
 import tvm
@@ -58,8 +58,3 @@ def eliminate_dead_code(mod: tvm.IRModule) -> tvm.IRModule:
             mod[gv] = f
     return relax.transform.DeadCodeElimination()(mod)
 
-
-@tvm.transform.module_pass(opt_level=0, name="LoracSweepDeadBindings")
-def SweepDeadBindings(mod, _ctx):
-    """eliminate_dead_code as a pass: before FoldConstant, whose RemoveAllUnused is as slow."""
-    return eliminate_dead_code(mod)
