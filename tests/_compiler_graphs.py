@@ -17,6 +17,16 @@ def small_training_graph(batch=2, seq=8, rank=4) -> onnx.ModelProto:
     return build_training_graph(spec, TrainSpec(batch=batch, seq=seq, rank=rank, lora_targets=tuple(ALL_TARGETS)))
 
 
+def nf4_layers(spec) -> tuple:
+    """A TrainSpec's `quant` with every projection of `spec` in NF4 with a double-quantized absmax
+    (what --quantize nf4 and the bnb-4bit checkpoints hold)."""
+    from lorac.graphs.families import for_spec
+    from lorac.graphs.ops.quant import Quant
+
+    fam = for_spec(spec)
+    return tuple(sorted((fam.weight_name(i, t), Quant("nf4", 64, True)) for i in range(spec.layers) for t in fam.TARGETS))
+
+
 def random_inputs(model: onnx.ModelProto, seed: int = 0, vocab: int | None = None, rng=None,
                   ignored: int = 1) -> dict[str, np.ndarray]:
     """Values for every graph input: ids/labels in [0, vocab) (the first `ignored` labels of row 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from _compiler_graphs import SMALL_QWEN3
+from _compiler_graphs import SMALL_QWEN3, nf4_layers
 from _compiler_graphs import cuda_plan as _cuda_plan
 from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
 from lorac.graphs.mamba_spec import MAMBA_TARGETS
@@ -281,15 +281,10 @@ def test_values_read_only_in_bf16_are_stored_in_bf16():
 
 
 def _nf4_decoder():
-    from lorac.graphs.families import for_spec
-    from lorac.graphs.ops.quant import Quant
     spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256,
                                      "head_dim": 32})
-    fam = for_spec(spec)
-    quant = tuple(sorted((fam.weight_name(i, t), Quant("nf4", 64, True)) for i in range(spec.layers)
-                         for t in fam.TARGETS))
     return build_training_graph(spec, TrainSpec(batch=2, seq=32, rank=4, lora_targets=tuple(ALL_TARGETS),
-                                                checkpointing=True, quant=quant))
+                                                checkpointing=True, quant=nf4_layers(spec)))
 
 
 def test_nf4_dequantization_is_one_kernel(monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _compiler_graphs import SMALL_QWEN3
+from _compiler_graphs import SMALL_QWEN3, nf4_layers
 from onnx import TensorProto, helper
 
 tvm = pytest.importorskip("tvm")
@@ -52,15 +52,10 @@ def _imported_nf4_module():
     from lorac.compiler.pipeline import import_onnx
     from lorac.compiler.targets import cuda as target_cuda
     from lorac.graphs import ALL_TARGETS, ModelSpec, TrainSpec, build_training_graph
-    from lorac.graphs.families import for_spec
-    from lorac.graphs.ops.quant import Quant
 
     spec = ModelSpec.from_hf_config({**SMALL_QWEN3, "hidden_size": 128, "intermediate_size": 192, "head_dim": 32})
-    fam = for_spec(spec)
-    quant = tuple(sorted((fam.weight_name(i, t), Quant("nf4", 64, True)) for i in range(spec.layers)
-                         for t in fam.TARGETS))
     proto = build_training_graph(spec, TrainSpec(batch=2, seq=16, rank=4, lora_targets=tuple(ALL_TARGETS),
-                                                 checkpointing=True, offload=True, quant=quant))
+                                                 checkpointing=True, offload=True, quant=nf4_layers(spec)))
     mod, _, _ = import_onnx(proto, target_cuda, "bfloat16")
     return relax.transform.CanonicalizeBindings()(rewrite_functions(_UnwrapUnsignedIndices(mod), mod)), proto
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from _compiler_graphs import nf4_layers
 from lorac.core.errors import LoracError
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -23,13 +24,6 @@ def _spec(config):
     from lorac.graphs import ModelSpec
     return ModelSpec.from_hf_config(config)
 
-
-def _layers_nf4(spec) -> tuple:
-    """Every projection in NF4 with a double-quantized absmax (what --quantize nf4 and bnb-4bit hold)."""
-    from lorac.graphs.families import for_spec
-    from lorac.graphs.ops.quant import Quant
-    fam = for_spec(spec)
-    return tuple(sorted((fam.weight_name(i, t), Quant("nf4", 64, True)) for i in range(spec.layers) for t in fam.TARGETS))
 
 
 def test_head_slices_cover_the_vocabulary_in_slices_of_about_96_mb():
@@ -105,7 +99,7 @@ def test_the_estimate_shrinks_by_the_tables_and_the_head_gradient(monkeypatch):
     from lorac.runtime.train import memory
     spec = _spec(LLAMA3_8B)
     V, D, T = 128256, 4096, 2048
-    train = TrainSpec(batch=1, seq=T, lora_targets=("q_proj", "v_proj"), rank=16, quant=_layers_nf4(spec),
+    train = TrainSpec(batch=1, seq=T, lora_targets=("q_proj", "v_proj"), rank=16, quant=nf4_layers(spec),
                       checkpointing=True, offload=True)
     dense = (V * D * 2 + 32 * 2 * D + D, 3_601_000_000)  # frozen sizes as the loaded NF4 base has them
     q = held(spec, train, "nf4")
@@ -145,7 +139,7 @@ def _plan(monkeypatch, config, quant, **settings):
 
 def test_auto_quantizes_the_tables_only_where_nothing_fits_with_them_dense(monkeypatch):
     spec = _spec(LLAMA3_8B)
-    layers = _layers_nf4(spec)
+    layers = nf4_layers(spec)
     # (with the input table in host memory dense tables fit 8 GB: tests/test_host_embeddings.py)
     plan, logs = _plan(monkeypatch, LLAMA3_8B, layers, memory_budget=8.0, offload_embeddings="off")
     assert plan.cfg.quantize_embeddings == "nf4"  # recorded as resolved (checkpoints, --resume)
@@ -183,11 +177,11 @@ def test_a_resumed_run_takes_the_checkpoints_choice(monkeypatch):
     saved = SavedRun.from_state({"train_config": {"checkpointing": "offload", "keep_layers": 0,
                                                   "quantize_embeddings": "nf4"}})
     cfg = TrainConfig(target="cuda", batch=1, seq=2048, resume="ckpt", memory_budget=48.0)
-    plan = plan_run(cfg, spec, LLAMA3_8B, (V := 128256 * 4096 * 2, 3_601_000_000), quant=_layers_nf4(spec),
+    plan = plan_run(cfg, spec, LLAMA3_8B, (V := 128256 * 4096 * 2, 3_601_000_000), quant=nf4_layers(spec),
                     saved=saved)
     assert plan.cfg.quantize_embeddings == "nf4" and plan.cfg.checkpointing == "offload"  # budget 48 would not need it
     old = SavedRun.from_state({"train_config": {"checkpointing": "on"}})  # before the setting: dense
-    plan = plan_run(cfg, spec, LLAMA3_8B, (V, 3_601_000_000), quant=_layers_nf4(spec), saved=old)
+    plan = plan_run(cfg, spec, LLAMA3_8B, (V, 3_601_000_000), quant=nf4_layers(spec), saved=old)
     assert plan.cfg.quantize_embeddings == "off"
 
 

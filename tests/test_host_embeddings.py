@@ -9,6 +9,7 @@ import ctypes
 import numpy as np
 import pytest
 
+from _compiler_graphs import nf4_layers
 from tiny_model import make_model_dir
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -167,11 +168,7 @@ def _plan(monkeypatch, config, quant=(), saved=None, **settings):
 
 def _nf4_layers():
     from lorac.graphs import ModelSpec
-    from lorac.graphs.families import for_spec
-    from lorac.graphs.ops.quant import Quant
-    spec = ModelSpec.from_hf_config(LLAMA3_8B)
-    fam = for_spec(spec)
-    return tuple(sorted((fam.weight_name(i, t), Quant("nf4", 64, True)) for i in range(32) for t in fam.TARGETS))
+    return nf4_layers(ModelSpec.from_hf_config(LLAMA3_8B))
 
 
 def test_auto_moves_the_table_where_the_budget_binds(monkeypatch):
