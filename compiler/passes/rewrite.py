@@ -57,4 +57,3 @@ def eliminate_dead_code(mod: tvm.IRModule) -> tvm.IRModule:
         for gv, f in changed.items():
             mod[gv] = f
     return relax.transform.DeadCodeElimination()(mod)
-
