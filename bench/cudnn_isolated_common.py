@@ -48,7 +48,12 @@ def runtime_modules():
 
 
 def libcudnn() -> str | None:
-    """libcudnn.so.9 of the nvidia-cudnn-cu13 wheel (loaded before the frontend dlopens it by name)."""
+    """The libcudnn.so.9 the frontend will load (loaded before it, globally): the first on
+    LD_LIBRARY_PATH (bench/cudnn_newer_env.sh puts a newer cuDNN there), else the
+    nvidia-cudnn-cu13 wheel's."""
+    for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        if d and os.path.exists(os.path.join(d, "libcudnn.so.9")):
+            return os.path.join(d, "libcudnn.so.9")
     roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
     for r in roots:
         for g in sorted(glob.glob(os.path.join(str(r), "nvidia", "*", "lib", "libcudnn.so.9"))):
