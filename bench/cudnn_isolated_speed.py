@@ -19,6 +19,8 @@ Variants (a name, the packed layout, lorac's attention.PACKED settings):
                         causal triangle computed, no host work per step)
   bias_unified          the same, the forward's implementation UNIFIED
   bias_fp32             the bias in fp32 (should cuDNN refuse a bf16 one)
+  bias_band             the bias, and the causal band cut one key past the batch's longest
+                        document (diagonal_band_left_bound: tiles further back not computed)
 and `engines`: every plan cuDNN's heuristics offer for the ragged_longest and bias graphs,
 each timed alone (forward plans with the default backward, and the other way round).
 What the runtime picks from this: attention.PACKED (ragged) and PACKED_MASK in
@@ -49,9 +51,10 @@ VARIANTS = {  # name: (layout, settings); settings as attention.PACKED's keys
     "bias": ("bias", {}),
     "bias_unified": ("bias", {"implementation": "UNIFIED"}),
     "bias_fp32": ("bias", {"bias_dtype": "float32"}),  # in case cuDNN refuses a bf16 bias
+    "bias_band": ("bias", {"band": "longest"}),
 }
 SHORT = ("plain", "ragged_row", "ragged_longest", "ragged_groups_64", "ragged_groups_128", "ragged_groups_64_256",
-         "bias")
+         "bias", "bias_band")
 
 
 ENGINES = ("ragged_longest", "bias")  # the variants whose every offered plan `engines` times
@@ -80,6 +83,8 @@ def build(ctx, layout: str, settings: dict, pos, per_row: int, engines: dict | N
     """(forward plans, backward plans, documents or None) of a variant, documents filled."""
     a, d = C.ARGS, ctx["documents"]
     opts = {k: settings[k] for k in ("deterministic", "implementation", "bias_dtype") if settings.get(k)}
+    if settings.get("band") == "longest":
+        opts["band"] = int(pos.max()) + 2  # positions count from 0: the longest document + 1
     docs = None
     if layout == "ragged":
         longest = int(pos.max()) + 1 if settings.get("max_seq", "longest") == "longest" else None

@@ -25,7 +25,9 @@ device runs each part in a process of its own and prints one JSON line each, the
 VARIANTS: ragged (the runtime's default settings: plans of S tokens, as first built),
 ragged_longest (plans as long as the longest document), ragged_groups_128 (and documents
 split at 128 tokens), bias (the bias build); or MASK=JSON, the
-runtime's attention.PACKED settings for an artifact of that mask: 'ragged={"bounds": [64, 256]}'. `--stand-in cpu`
+runtime's attention.PACKED settings for an artifact of that mask: 'ragged={"bounds": [64, 256]}'; any of
+them with @LO-HI times rows of LO-HI documents instead of 4-40 (bias@24-40: short documents, as chat
+data packs, where the bias plans' causal band skips most tiles). `--stand-in cpu`
 runs the same flow with small CPU fp32 artifacts (tests/test_packed_step.py), no GPU.
 """
 from __future__ import annotations
@@ -273,6 +275,8 @@ def timing(cache: str, variant: str, stand_in: str | None, rounds: int = 10) -> 
     from lorac.runtime import devices
     sys.modules["torch"] = None  # lorac's process needs no torch
     s = setup(stand_in)
+    variant, _, docs = variant.partition("@")
+    lo, hi = (int(x) for x in docs.split("-")) if docs else DOCS
     mask, settings = variant_of(variant)
     if s["target"] == "cuda":
         from lorac.runtime.devices.cuda import attention
@@ -280,7 +284,7 @@ def timing(cache: str, variant: str, stand_in: str | None, rounds: int = 10) -> 
     root = Path(cache)
     plain, spec, optim, _, ids, base = hv.case_engine(str(root / "ragged"), s["plain"], target=s["target"])
     B, S = hv.CASES[s["plain"]][2:4]
-    pos = [packed_positions(100 + i, B, S) for i in range(len(ids))]
+    pos = [packed_positions(100 + i, B, S, lo, hi) for i in range(len(ids))]
     per_row, longest = documents_of(*pos)
     devices.get(s["target"]).reserve_documents(per_row, longest)  # before the isolated artifact loads
     iso, _, _, m, _, _ = hv.case_engine(str(root / (mask if not stand_in else "ragged")), s["isolated"],
@@ -302,7 +306,7 @@ def timing(cache: str, variant: str, stand_in: str | None, rounds: int = 10) -> 
             if name == "isolated":
                 losses.append(round(loss, 5))
     p, i = float(np.median(times["plain"])), float(np.median(times["isolated"]))
-    out = {"time": variant, "mask": mask, "settings": settings, "plain_ms": round(p, 2), "isolated_ms": round(i, 2),
+    out = {"time": variant + (f"@{docs}" if docs else ""), "mask": mask, "settings": settings, "plain_ms": round(p, 2), "isolated_ms": round(i, 2),
            "ratio": round(i / p, 4), "round_ratios": [round(b / a, 3) for a, b in zip(times["plain"], times["isolated"])],
            "documents_per_row": [int(x) for x in (pos[0] == 0).sum(1)], "per_row": per_row, "longest": longest,
            "isolated_losses": losses[:3], "ok": bool(np.isfinite(losses).all())}

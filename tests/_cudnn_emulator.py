@@ -126,19 +126,21 @@ class pygraph:  # noqa: N801 - the frontend's name
                                                and kw.get("diagonal_alignment") == "TOP_LEFT")
         assert causal, f"emulated: causal attention only ({kw})"
         lens = (kw["seq_len_q"], kw["seq_len_kv"]) if kw.get("use_padding_mask") else None
-        return lens
+        return lens, kw.get("diagonal_band_left_bound")
 
     def sdpa(self, q, k, v, attn_scale, is_inference=True, name="", bias=None, implementation=None, **kw):
         o = Tensor(q.dim, q.stride, q.data_type, "o")
         stats = Tensor(q.dim[:3] + [1], [1, 1, 1, 1], "float32", "stats")
-        self.ops.append(("fwd", dict(q=q, k=k, v=v, o=o, stats=stats, scale=attn_scale, lens=self._mask(kw), bias=bias)))
+        lens, band = self._mask(kw)
+        self.ops.append(("fwd", dict(q=q, k=k, v=v, o=o, stats=stats, scale=attn_scale, lens=lens, band=band, bias=bias)))
         return o, stats
 
     def sdpa_backward(self, q, k, v, o, do, stats, attn_scale, name="", bias=None, use_deterministic_algorithm=False,
                       max_total_seq_len_q=None, max_total_seq_len_kv=None, **kw):
         grads = [Tensor(x.dim, x.stride, x.data_type, f"d{x.name}") for x in (q, k, v)]
+        lens, band = self._mask(kw)
         self.ops.append(("bwd", dict(q=q, k=k, v=v, o=o, do=do, stats=stats, dq=grads[0], dk=grads[1], dv=grads[2],
-                                     scale=attn_scale, lens=self._mask(kw), bias=bias)))
+                                     scale=attn_scale, lens=lens, band=band, bias=bias)))
         return grads
 
     def build(self, _heuristics):
@@ -196,13 +198,13 @@ class pygraph:  # noqa: N801 - the frontend's name
             G = a["q"].dim[1] // a["k"].dim[1]
             bias = _bias(a["bias"], ptrs, B)
             if kind == "fwd":
-                res = [_forward(qq, np.repeat(kk, G, 0), np.repeat(vv, G, 0), a["scale"], bb)
+                res = [_forward(qq, np.repeat(kk, G, 0), np.repeat(vv, G, 0), a["scale"], bb, a["band"])
                        for qq, kk, vv, bb in zip(q, k, v, bias)]
                 _write(a["o"], ptrs, L, [r[0] for r in res])
                 _write(a["stats"], ptrs, L, [r[1][..., None] for r in res])
             else:
                 o, do, stats = (_read(a[n], ptrs, L) for n in ("o", "do", "stats"))
-                res = [_backward(*x, a["scale"], G) for x in zip(q, k, v, o, do, stats, bias)]
+                res = [_backward(*x, a["scale"], G, a["band"]) for x in zip(q, k, v, o, do, stats, bias)]
                 for i, n in enumerate(("dq", "dk", "dv")):
                     _write(a[n], ptrs, L, [r[i] for r in res])
 
@@ -224,26 +226,30 @@ def _bias(t, ptrs: dict, B: int) -> list:
     return out
 
 
-def _scores(q, kk, scale, bias=0.0):
+def _scores(q, kk, scale, bias=0.0, band=None):
+    """Scaled scores, causal; with a left band bound W keys W or more positions before the query are masked."""
     L = q.shape[1]
     s = np.einsum("hid,hjd->hij", q, kk) * scale + (bias[:, :L, :L] if np.ndim(bias) else bias)
-    return np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
+    keep = np.tril(np.ones((L, L), bool))
+    if band is not None:
+        keep &= ~np.tril(np.ones((L, L), bool), -int(band))
+    return np.where(keep, s, -np.inf)
 
 
-def _forward(q, kk, vv, scale, bias=0.0):
+def _forward(q, kk, vv, scale, bias=0.0, band=None):
     if q.shape[1] == 0:
         return q.copy(), np.zeros(q.shape[:2])
-    s = _scores(q, kk, scale, bias)
+    s = _scores(q, kk, scale, bias, band)
     m = s.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
     return np.einsum("hij,hjd->hid", np.exp(s - lse[..., None]), vv), lse
 
 
-def _backward(q, k, v, o, do, stats, bias, scale, G):
+def _backward(q, k, v, o, do, stats, bias, scale, G, band=None):
     if q.shape[1] == 0:
         return q.copy(), k.copy(), v.copy()
     kk, vv = np.repeat(k, G, 0), np.repeat(v, G, 0)
-    p = np.exp(_scores(q, kk, scale, bias) - stats)  # stats [H, L, 1]
+    p = np.exp(_scores(q, kk, scale, bias, band) - stats)  # stats [H, L, 1]
     dp = np.einsum("hid,hjd->hij", do, vv)
     ds = p * (dp - (do * o).sum(-1, keepdims=True)) * scale
     fold = lambda x: x.reshape(k.shape[0], G, *x.shape[1:]).sum(1)  # noqa: E731 - each kv head's group

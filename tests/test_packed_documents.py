@@ -251,6 +251,8 @@ def test_plans_describe_each_document_to_cudnn(emulated, mode):
         feed({"position_ids": pos})
     if settings.get("engine"):
         assert fwd[0].graph.selected == bwd[0].graph.selected == 1
+    # bias plans: the causal band one key past the longest reserved document (40 of 80 tokens)
+    assert [p.options.get("band") for p in fwd + bwd] == ([41, 41] if mask == "bias" else [None] * len(fwd + bwd))
     rng = np.random.default_rng(3)
     x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
     pad = lambda h, dtype="bfloat16": _Buffer(((B + 1) * S * h * (Dh if dtype == "bfloat16" else 1),), dtype)  # noqa
@@ -335,6 +337,49 @@ def test_document_bias_is_the_graph_mask():
     causal = np.tril(np.ones((12, 12), bool))
     np.testing.assert_array_equal((bias[:, 0] == 0) & causal, graph_mask(pos))
     assert set(np.unique(bias).tolist()) <= {0.0, np.float32(MASKED)}
+
+
+def test_bias_plans_band_reaches_the_reserved_documents(emulated):
+    """The band of bias plans is what keeps them exact: built for documents of at most 20
+    tokens, a row holding a 40-token one comes out wrong (so the band is applied); reserving
+    40 builds them again (the same key), and then they equal the packed graph's attention. A
+    reservation of shorter documents keeps the wider plans; no reservation, or documents as
+    long as the row, or PACKED["band"] off, build them without a band."""
+    B, S, H, K, Dh, scale = 2, 64, 2, 1, 8, 0.4
+    pos = rows((40, 24), (3, 5, 56))
+    call = {"function": attention.PACKED_FWD, "B": B, "S": S, "H": H, "K": K, "Dh": Dh, "scale": scale, "mask": "bias"}
+    rng = np.random.default_rng(9)
+    x = {n: bf16(rng.standard_normal((B, S, h, Dh))) for n, h in (("q", H), ("k", K), ("v", K), ("do", H))}
+    want = reference(*(f64(x[n]) for n in ("q", "k", "v", "do")), graph_mask(pos), scale)["o"]
+
+    def attend(longest):
+        attention.reserve_documents(8, longest)
+        plans, built = attention.build_plan(call, _Buffer)
+        attention.size_workspace(_Buffer)
+        ins = {n: _Buffer(a.shape, "bfloat16") for n, a in x.items()}
+        for n, a in x.items():
+            ins[n].copyfrom(a)
+        o, lse = _Buffer((B * S * H * Dh,), "bfloat16"), _Buffer((B * S * H,), "float32")
+        attention._run(plans, [ins["q"], ins["k"], ins["v"], bias_buffer(pos), o, lse])
+        return plans[0].options.get("band"), built, f64(o.a).reshape(B, S, H, Dh)
+
+    band, built, o = attend(20)
+    assert (band, built) == (21, True)
+    assert not np.allclose(o, want, atol=2e-2 * np.abs(want).max())  # keys 21+ back are cut
+    band, built, o = attend(56)
+    assert (band, built) == (57, True)
+    np.testing.assert_allclose(o, want, atol=2e-2 * np.abs(want).max())
+    assert attend(30)[:2] == (57, False)  # shorter documents: the wider plans serve
+    assert attend(None)[:2] == (None, True)  # nothing reserved: the whole causal triangle
+    attention._plans.clear()
+    attention.PACKED["band"] = False  # off: the whole triangle, whatever was reserved
+    band, built, o = attend(20)
+    assert (band, built) == (None, True)
+    np.testing.assert_allclose(o, want, atol=2e-2 * np.abs(want).max())
+    attention.reserve_documents(8, None)
+    assert attention.band(64) is None and attention.band(65) is None
+    attention.reserve_documents(8, 63)
+    assert attention.band(64) is None and attention.band(65) == 64
 
 
 @pytest.mark.parametrize("mask", ["ragged", "bias"])

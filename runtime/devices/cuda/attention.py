@@ -60,7 +60,12 @@ MASKS = ("ragged", "bias")  # how a build masks packed documents (the manifest c
 #   deterministic  the backward's use_deterministic_algorithm
 #   implementation the forward's cuDNN implementation (None: AUTO; "COMPOSITE", "UNIFIED")
 #   engine         {"fwd": name, "bwd": name}: the cuDNN plans to build (None: the heuristics' first)
-PACKED = {"max_seq": "row", "bounds": (), "deterministic": False, "implementation": None, "engine": None}
+#   band           bias plans cut the causal band one key past the longest document the run's data
+#                  has (reserve_documents; none when unknown): cuDNN computes no tile further back,
+#                  which no query's document reaches (rows of short documents: ~1.2x the plain
+#                  call instead of ~1.5x); False: the whole causal triangle
+PACKED = {"max_seq": "row", "bounds": (), "deterministic": False, "implementation": None, "engine": None,
+          "band": True}
 
 _cudnn = None  # the module, imported on first use
 _handle = None
@@ -149,27 +154,39 @@ def documents_for(B: int, S: int, empty) -> Documents:
     return docs
 
 
+def band(S: int) -> int | None:
+    """The left bound of bias plans' causal band for rows of S tokens: one key past the longest
+    reserved document (a query's document starts at most longest - 1 keys back), None where
+    that is the whole row or nothing was reserved."""
+    longest = _reserved["longest"]
+    return longest + 1 if longest and longest + 1 < S else None
+
+
 def build_plan(call: dict, empty) -> tuple[list, bool]:
-    """(the plans of a manifest's call, whether they were built now)."""
+    """(the plans of a manifest's call, whether they were built now). Bias plans built for
+    shorter documents than those reserved since are built again (the band must reach them)."""
     key = _key(call)
+    fn, B, S, H, K, Dh, mask = key
+    want = band(S) if mask == "bias" and PACKED["band"] else None
     plans = _plans.get(key)
     if plans is not None and plans[0].scale != float(call["scale"]):
         raise LoracError(f"two loaded artifacts make attention calls {key} with different softmax scales")
-    if plans is not None:
+    if plans is not None and (plans[0].options.get("band") or S) >= (want or S):
         return plans, False
-    fn, B, S, H, K, Dh, mask = key
     packed = mask is not None
     docs = documents_for(B, S, empty) if mask == "ragged" else None
     opts = {k: PACKED[k] for k in ("deterministic", "implementation")} if packed else {}
     if packed and PACKED["engine"]:
         opts["engine"] = PACKED["engine"].get("bwd" if fn == PACKED_BWD else "fwd")
+    if want:
+        opts["band"] = want
     layout = mask or "causal"
     try:
         _plans[key] = [Plan(_cudnn, _handle, fn in (BWD, PACKED_BWD), B, S, H, K, Dh, float(call["scale"]), layout,
                             docs, g, opts) for g in range(len(docs.groups) if docs else 1)]
     except Exception as e:  # cuDNN raises its own error types
         what = f" packed in {docs.capacity} sequences of at most {docs.longest} tokens" if docs else \
-            (" packed, documents masked by a bias" if packed else "")
+            (f" packed, documents masked by a bias{f' (causal band {want})' if want else ''}" if packed else "")
         raise LoracError(f"cuDNN {_cudnn.backend_version_string()} has no fused attention plan for "
                          f"B={B} S={S} heads={H}/{K} head_dim={Dh}{what}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None

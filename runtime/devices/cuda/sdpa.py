@@ -15,8 +15,10 @@ Layouts (the `layout` argument):
           [B, H, S, 1]. Every tile of the causal triangle is computed, as for plain rows.
 Options (attention.PACKED, from the measurements in bench/cudnn_isolated_check.py):
 `deterministic` (the backward's use_deterministic_algorithm), `implementation` (the
-forward's AUTO / COMPOSITE / UNIFIED) and `engine` (the name of the plan to build instead of
-the heuristics' first: the frontend's get_plan_name_at_index).
+forward's AUTO / COMPOSITE / UNIFIED), `engine` (the name of the plan to build instead of
+the heuristics' first: the frontend's get_plan_name_at_index) and `band` (a left bound of the
+causal band, diagonal_band_left_bound: keys that many positions or more before the query are
+not computed; above the longest document of packed rows it changes no value).
 """
 from __future__ import annotations
 
@@ -86,6 +88,8 @@ class Plan:
             mask.update(use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
             lengths = self.docs.lengths[self.group]
             bound = {lens[0]: lengths, lens[1]: lengths, **{x: self.docs.offsets_of(self.group, m) for m, x in offsets.items()}}
+        if opt.get("band"):
+            mask["diagonal_band_left_bound"] = int(opt["band"])
         if self.layout == "bias":  # bf16 (the build's), or fp32 where options say (bench/cudnn_isolated_speed.py)
             dt = f32 if opt.get("bias_dtype") == "float32" else bf16
             t["bias"] = g.tensor([B, 1, S, S], [S * S, S * S, S, 1], data_type=dt, name="bias")
