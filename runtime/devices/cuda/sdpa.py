@@ -12,7 +12,8 @@ Layouts (the `layout` argument):
   bias    packed rows as plain rows plus an additive bias [B, 1, S, S] bf16 (0 where key j
           lies in query i's document, -1e30 before it: the CUDA build computes it from the
           position ids, compiler/targets/cuda/attention.py) and causal masking; stats
-          [B, H, S, 1]. Every tile of the causal triangle is computed, as for plain rows.
+          [B, H, S, 1]. Every tile of the causal triangle is computed, as for plain rows, but
+          those outside the band where `band` is given.
 Options (attention.PACKED, from the measurements in bench/cudnn_isolated_check.py):
 `deterministic` (the backward's use_deterministic_algorithm), `implementation` (the
 forward's AUTO / COMPOSITE / UNIFIED), `engine` (the name of the plan to build instead of
