@@ -12,16 +12,20 @@ CACHE_DIR = ".lorac-cache"
 # PEFT's names of the two LoRA matrices, as they appear in every tensor name.
 LORA_A, LORA_B = "lora_A", "lora_B"
 
-# Isolated packing on CUDA masks documents with an additive bias [B, 1, S, S] bf16 while it
-# takes at most this many bytes (8 x 4096 tokens), and with cuDNN's ragged layout past it
+# Isolated packing on CUDA masks documents with an additive bias [B, 1, S, S] bf16 for rows of
+# at most PACKED_BIAS_MAX_SEQ tokens while it takes at most PACKED_BIAS_MAX_BYTES, and with
+# cuDNN's ragged layout otherwise: on an H100 the ragged call is 1.5-1.8x the plain one at 1024
+# tokens (the bias 1.3x) but 0.65-0.93x at 2048-8192 (the bias 1.6-2.2x; docs/BENCHMARKS.md)
 # (compiler/targets/cuda/attention.py; the memory estimate counts the bias: runtime/train/memory.py).
 PACKED_BIAS_MAX_BYTES = 256 << 20
+PACKED_BIAS_MAX_SEQ = 1024
 
 
-def packed_bias_bytes(batch: int, seq: int) -> int:
+def packed_bias_bytes(batch: int, seq: int, max_bytes: int = PACKED_BIAS_MAX_BYTES,
+                      max_seq: int = PACKED_BIAS_MAX_SEQ) -> int:
     """Bytes of the document bias of [batch, seq] packed rows on CUDA, 0 where the ragged layout is used."""
     n = 2 * batch * seq * seq
-    return n if n <= PACKED_BIAS_MAX_BYTES else 0
+    return n if n <= max_bytes and seq <= max_seq else 0
 
 # A LoRA projection over a dequantized weight whose output is at least this many times wider
 # than its input runs as one GEMM over [x | u] and [W | B] in bf16 CUDA steps

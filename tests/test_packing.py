@@ -361,7 +361,8 @@ def test_cuda_pipeline_maps_the_packed_attention_to_cudnn(dtype, ckpt, monkeypat
 def test_cuda_pipeline_masks_documents_by_a_bias(monkeypatch):
     """With PACKED_MASK "bias" the packed calls take one bias [B, 1, S, S] bf16, computed once
     from the position ids and shared by every layer's forward and backward, and their stats
-    are [B, H, S, 1]; past BIAS_MAX_BYTES the build stays ragged."""
+    are [B, H, S, 1]; past BIAS_MAX_BYTES or BIAS_MAX_SEQ the build stays ragged (as the
+    memory estimate's bias bytes say)."""
     pytest.importorskip("tvm")
     from tvm import relax
     from lorac.compiler.targets.cuda import attention as cuda_attention
@@ -383,6 +384,12 @@ def test_cuda_pipeline_masks_documents_by_a_bias(monkeypatch):
     assert cuda_attention.packed_mask(2, 9) == "bias"
     monkeypatch.setattr(cuda_attention, "BIAS_MAX_BYTES", 2 * 2 * 9 * 9 - 1)
     assert cuda_attention.packed_mask(2, 9) == "ragged"
+    monkeypatch.undo()
+    from lorac.core.constants import packed_bias_bytes
+    for B, S, mask in ((8, 1024, "bias"), (4, 2048, "ragged"), (1, 8192, "ragged"), (16, 1024, "bias"),
+                       (160, 1024, "ragged")):  # 2048+ tokens: ragged; past 256 MiB of bias: ragged
+        assert cuda_attention.packed_mask(B, S) == mask, (B, S)
+        assert (packed_bias_bytes(B, S) > 0) == (mask == "bias")
 
 
 def test_document_bias_kernel_equals_the_runtime_reference():

@@ -19,7 +19,8 @@ call's "mask"; runtime/devices/cuda/sdpa.py builds the graphs):
 - "bias": plain rows plus an additive bias [B, 1, S, S] bf16, 0 where key j >= i - pos[b, i]
   and -1e30 before (causal masking hides the keys after i), computed here once per step
   from the position ids by one elementwise kernel and passed in `pos`'s place; lse [B, H, S, 1].
-  Used while the bias takes at most BIAS_MAX_BYTES, ragged past it.
+  Used for rows of at most BIAS_MAX_SEQ tokens while the bias takes at most BIAS_MAX_BYTES,
+  ragged past either.
 The softmax scale (a constant), the shapes and the mask go to the manifest's `unit_calls`,
 one entry per distinct call. The runtime (lorac.runtime.devices.cuda.attention) registers the functions: cuDNN
 plans built once per shape, executed on TVM's stream, so CUDA graphs capture them like the
@@ -36,21 +37,24 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from lorac.core.constants import PACKED_BIAS_MAX_BYTES
+from lorac.core.constants import PACKED_BIAS_MAX_BYTES, PACKED_BIAS_MAX_SEQ, packed_bias_bytes
 
 FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
 PACKED_FWD, PACKED_BWD = "lorac.attention_packed_fwd", "lorac.attention_packed_bwd"
 _BF16 = "bfloat16"
 # How packed documents are masked, chosen from bench/cudnn_isolated_check.py and
-# bench/h200_packed_step.py on the H200 (docs/BENCHMARKS.md, "Isolated packing on cuDNN")
-# (full step, Qwen3-0.6B shape 8x1024, rows of 4-40 documents: ragged 1.14x, bias 1.11x the plain step)
+# bench/h200_packed_step.py (docs/BENCHMARKS.md, "Isolated packing on cuDNN"): the bias for rows
+# of up to 1024 tokens (full step, Qwen3-0.6B shape 8x1024, rows of 4-40 documents on the H200:
+# ragged 1.14x, bias 1.11x the plain step), ragged for longer rows (the call at 2048-8192 tokens
+# on an H100: ragged 0.65-0.93x the plain call, the bias 1.6-2.2x)
 PACKED_MASK = "bias"
-BIAS_MAX_BYTES = PACKED_BIAS_MAX_BYTES  # "bias" while the [B, 1, S, S] bf16 bias fits this; ragged past it
+BIAS_MAX_BYTES = PACKED_BIAS_MAX_BYTES  # "bias" while the [B, 1, S, S] bf16 bias fits this ...
+BIAS_MAX_SEQ = PACKED_BIAS_MAX_SEQ  # ... and rows are at most this long; ragged past either
 
 
 def packed_mask(B: int, S: int) -> str:
     """How the packed calls of [B, S] rows mask documents: "ragged" or "bias" (module doc)."""
-    return "bias" if PACKED_MASK == "bias" and 2 * B * S * S <= BIAS_MAX_BYTES else "ragged"
+    return "bias" if PACKED_MASK == "bias" and packed_bias_bytes(B, S, BIAS_MAX_BYTES, BIAS_MAX_SEQ) else "ragged"
 
 
 def document_bias(bb, pos, B: int, S: int):
