@@ -15,7 +15,7 @@ LORA_A, LORA_B = "lora_A", "lora_B"
 # Isolated packing on CUDA masks documents with an additive bias [B, 1, S, S] bf16 for rows of
 # at most PACKED_BIAS_MAX_SEQ tokens while it takes at most PACKED_BIAS_MAX_BYTES, and with
 # cuDNN's ragged layout otherwise: on an H100 the ragged call is 1.5-1.8x the plain one at 1024
-# tokens (the bias 1.3x) but 0.65-0.93x at 2048-8192 (the bias 1.6-2.2x; docs/BENCHMARKS.md)
+# tokens (the bias 1.3x) but 0.65-0.94x at 2048-8192 (the bias 1.6-2.2x; docs/BENCHMARKS.md)
 # (compiler/targets/cuda/attention.py; the memory estimate counts the bias: runtime/train/memory.py).
 PACKED_BIAS_MAX_BYTES = 256 << 20
 PACKED_BIAS_MAX_SEQ = 1024

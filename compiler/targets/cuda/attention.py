@@ -46,7 +46,7 @@ _BF16 = "bfloat16"
 # bench/h200_packed_step.py (docs/BENCHMARKS.md, "Isolated packing on cuDNN"): the bias for rows
 # of up to 1024 tokens (full step, Qwen3-0.6B shape 8x1024, rows of 4-40 documents on the H200:
 # ragged 1.14x, bias 1.11x the plain step), ragged for longer rows (the call at 2048-8192 tokens
-# on an H100: ragged 0.65-0.93x the plain call, the bias 1.6-2.2x)
+# on an H100: ragged 0.65-0.94x the plain call, the bias 1.6-2.2x)
 PACKED_MASK = "bias"
 BIAS_MAX_BYTES = PACKED_BIAS_MAX_BYTES  # "bias" while the [B, 1, S, S] bf16 bias fits this ...
 BIAS_MAX_SEQ = PACKED_BIAS_MAX_SEQ  # ... and rows are at most this long; ragged past either
