@@ -27,12 +27,14 @@ ragged_longest (plans as long as the longest document), ragged_groups_128 (and d
 split at 128 tokens), bias (the bias build); or MASK=JSON, the
 runtime's attention.PACKED settings for an artifact of that mask: 'ragged={"bounds": [64, 256]}'; any of
 them with @LO-HI times rows of LO-HI documents instead of 4-40 (bias@24-40: short documents, as chat
-data packs, where the bias plans' causal band skips most tiles). `--stand-in cpu`
+data packs, where the bias plans' causal band skips most tiles). PACKED_ROWS=BxS (both modes) times
+other rows than 8x1024 (past 1024 tokens the build masks by ragged sequences alone). `--stand-in cpu`
 runs the same flow with small CPU fp32 artifacts (tests/test_packed_step.py), no GPU.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -54,7 +56,10 @@ VARIANTS = {  # name: (the artifact's mask, runtime attention.PACKED settings)
 SMALL = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
 TINY = {**SMALL, "hidden_size": 64, "head_dim": 16, "intermediate_size": 128}  # the CPU stand-in's timing shape
-hv.CASES["q06-8x1024-isolated"] = (*hv.CASES["q06-8x1024"][:4], {**hv.CASES["q06-8x1024"][4], "packing": "isolated"}, [])
+ROWS = os.environ.get("PACKED_ROWS", "8x1024")  # the Qwen3-0.6B rows timed, BxS (the same in prepare and device)
+PLAIN = f"q06-{ROWS}"
+hv.CASES.setdefault(PLAIN, (*hv.CASES["q06-8x1024"][:2], *(int(x) for x in ROWS.split("x")), hv.CASES["q06-8x1024"][4], []))
+hv.CASES[f"{PLAIN}-isolated"] = (*hv.CASES[PLAIN][:4], {**hv.CASES[PLAIN][4], "packing": "isolated"}, [])
 hv.CASES["tiny-2x64"] = (TINY, "-", 2, 64, {}, [])
 hv.CASES["tiny-2x64-isolated"] = (TINY, "-", 2, 64, {"packing": "isolated"}, [])
 EQ_B, EQ_S, DOCS = 4, 256, (4, 40)
@@ -64,7 +69,7 @@ STAND_IN_EQ = (2, 64)  # the CPU stand-in's equality rows
 def setup(stand_in: str | None) -> dict:
     if stand_in:
         return {"target": stand_in, "dtype": "float32", "plain": "tiny-2x64", "isolated": "tiny-2x64-isolated"}
-    return {"target": "cuda", "dtype": "bfloat16", "plain": "q06-8x1024", "isolated": "q06-8x1024-isolated"}
+    return {"target": "cuda", "dtype": "bfloat16", "plain": PLAIN, "isolated": f"{PLAIN}-isolated"}
 
 
 # -- packed rows -----------------------------------------------------------------------------
