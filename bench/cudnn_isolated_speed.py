@@ -83,8 +83,8 @@ def build(ctx, layout: str, settings: dict, pos, per_row: int, engines: dict | N
     """(forward plans, backward plans, documents or None) of a variant, documents filled."""
     a, d = C.ARGS, ctx["documents"]
     opts = {k: settings[k] for k in ("deterministic", "implementation", "bias_dtype") if settings.get(k)}
-    if settings.get("band") == "longest":
-        opts["band"] = int(pos.max()) + 2  # positions count from 0: the longest document + 1
+    if settings.get("band") == "longest":  # the runtime's band for the batch's longest document
+        opts["band"] = ctx["att"].band(a.seq, int(pos.max()) + 1)
     docs = None
     if layout == "ragged":
         longest = int(pos.max()) + 1 if settings.get("max_seq", "longest") == "longest" else None

@@ -154,11 +154,11 @@ def documents_for(B: int, S: int, empty) -> Documents:
     return docs
 
 
-def band(S: int) -> int | None:
+def band(S: int, longest: int | None = None) -> int | None:
     """The left bound of bias plans' causal band for rows of S tokens: one key past the longest
-    reserved document (a query's document starts at most longest - 1 keys back), None where
-    that is the whole row or nothing was reserved."""
-    longest = _reserved["longest"]
+    document (`longest`, else the reserved one: a query's document starts at most longest - 1
+    keys back), None where that is the whole row or nothing was reserved."""
+    longest = _reserved["longest"] if longest is None else longest
     return longest + 1 if longest and longest + 1 < S else None
 
 
