@@ -52,9 +52,10 @@ VARIANTS = {  # name: (layout, settings); settings as attention.PACKED's keys
     "bias_unified": ("bias", {"implementation": "UNIFIED"}),
     "bias_fp32": ("bias", {"bias_dtype": "float32"}),  # in case cuDNN refuses a bf16 bias
     "bias_band": ("bias", {"band": "longest"}),
+    "kernel": ("kernel", {}),  # lorac's Triton kernels (bench/packed_kernels_bench.py), not cuDNN
 }
 SHORT = ("plain", "ragged_row", "ragged_longest", "ragged_groups_64", "ragged_groups_128", "ragged_groups_64_256",
-         "bias", "bias_band")
+         "bias", "bias_band", "kernel")
 
 
 ENGINES = ("ragged_longest", "bias")  # the variants whose every offered plan `engines` times
@@ -160,6 +161,20 @@ def outside_writes(ctx, fwd, bwd, docs, pos, x) -> int:
     return int(sum((~out.view[n][:T][other].isnan()).sum() for n in ("o", "dq", "dk", "dv")))
 
 
+def cudnn_variant(ctx, layout, settings, pos, x, ref, per_row) -> dict:
+    """Build a cuDNN variant's plans, run, check and time them."""
+    fwd, bwd, docs = build(ctx, layout, settings, pos, per_row)
+    r = run_and_time(ctx, layout, fwd, bwd, pos, x, ref)
+    r["engines"] = {"forward": [describe(p).get("engine") for p in fwd],
+                    "backward": [describe(p).get("engine") for p in bwd]}
+    if docs is not None:
+        r["groups"] = [(g.lo, g.hi, g.max_seq, g.capacity) for g in docs.groups]
+        if len(docs.groups) > 1:
+            r["outside_writes"] = outside_writes(ctx, fwd, bwd, docs, pos, x)
+            r["ok"] = r["ok"] and r["outside_writes"] == 0
+    return r
+
+
 def st_speed(ctx):
     res = {"variants": {}, "engines": {}}
     data = datasets(ctx)
@@ -171,16 +186,11 @@ def st_speed(ctx):
             if (only and name not in only and name != "plain") or (dname == "short" and name not in SHORT):
                 continue
             try:
-                fwd, bwd, docs = build(ctx, layout, settings, pos, per_row)
-                r = run_and_time(ctx, layout, fwd, bwd, pos, x, ref)
-                r["engines"] = {"forward": [describe(p).get("engine") for p in fwd],
-                                "backward": [describe(p).get("engine") for p in bwd]}
-                if docs is not None:
-                    r["groups"] = [(g.lo, g.hi, g.max_seq, g.capacity) for g in docs.groups]
-                    if len(docs.groups) > 1:
-                        r["outside_writes"] = outside_writes(ctx, fwd, bwd, docs, pos, x)
-                        r["ok"] = r["ok"] and r["outside_writes"] == 0
-                del fwd, bwd, docs
+                if layout == "kernel":
+                    import packed_kernels_bench
+                    r = packed_kernels_bench.variant(ctx, pos, x, ref)
+                else:
+                    r = cudnn_variant(ctx, layout, settings, pos, x, ref, per_row)
             except Exception as e:  # noqa: BLE001 - each variant reports on its own
                 print(traceback.format_exc()[-1500:], flush=True)
                 r = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip()[:1500]}"}
