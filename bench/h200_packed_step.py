@@ -8,7 +8,8 @@ gradients against the fp32 CPU step of each document alone (loss 1e-2 relative, 
 
 prepare compiles, the way bench/h200_vs_peers.py prepares its cases (its helpers): the plain
 step and the isolated one, once for each way the CUDA build masks documents
-(compiler/targets/cuda/attention.py PACKED_MASK: CACHE/ragged with the plain step, CACHE/bias),
+(compiler/targets/cuda/attention.py PACKED_MASK: CACHE/ragged with the plain step, CACHE/bias,
+CACHE/kernel),
 with the optimizer; and for the
 equality a small Qwen3 (2 layers, GQA 4/2, head_dim 64) at 4x256, isolated, bf16 CUDA in both
 masks, with its inputs (random weights, LoRA A and B, packed rows) and the reference: the
@@ -24,7 +25,8 @@ device runs each part in a process of its own and prints one JSON line each, the
                   the order swapped every round; medians and isolated / plain
 VARIANTS: ragged (the runtime's default settings: plans of S tokens, as first built),
 ragged_longest (plans as long as the longest document), ragged_groups_128 (and documents
-split at 128 tokens), bias (the bias build); or MASK=JSON, the
+split at 128 tokens), bias (the bias build), kernel (lorac's Triton kernels, the default where
+Triton is installed); or MASK=JSON, the
 runtime's attention.PACKED settings for an artifact of that mask: 'ragged={"bounds": [64, 256]}'; any of
 them with @LO-HI times rows of LO-HI documents instead of 4-40 (bias@24-40: short documents, as chat
 data packs, where the bias plans' causal band skips most tiles). PACKED_ROWS=BxS (both modes) times
@@ -46,12 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import h200_vs_peers as hv  # noqa: E402
 from cudnn_isolated_common import row_lengths  # noqa: E402
 
-MASKS = ("ragged", "bias")
+MASKS = ("ragged", "bias", "kernel")
 VARIANTS = {  # name: (the artifact's mask, runtime attention.PACKED settings)
     "ragged": ("ragged", {}),
     "ragged_longest": ("ragged", {"max_seq": "longest"}),
     "ragged_groups_128": ("ragged", {"max_seq": "longest", "bounds": (128,)}),
     "bias": ("bias", {}),
+    "kernel": ("kernel", {}),
 }
 SMALL = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
@@ -223,11 +226,13 @@ def prepare(cache: str, stand_in: str | None) -> None:
     s = setup(stand_in)
     t0 = time.time()
     # CACHE/ragged: the plain step, the isolated one masking documents as ragged sequences and the
-    # optimizer; CACHE/bias: the isolated step masking them by a bias, and the optimizer. The CPU
+    # optimizer; CACHE/bias and CACHE/kernel: the isolated step masking them by a bias or by
+    # lorac's kernels, and the optimizer. The CPU
     # stand-in has no masks (its attention is inlined): CACHE/ragged alone
     for mask, case, kind in [("ragged", s["plain"], "train"), ("ragged", s["isolated"], "train"),
                              ("ragged", s["plain"], "adamw"), ("bias", s["isolated"], "train"),
-                             ("bias", s["plain"], "adamw")][:None if not stand_in else 3]:
+                             ("bias", s["plain"], "adamw"), ("kernel", s["isolated"], "train"),
+                             ("kernel", s["plain"], "adamw")][:None if not stand_in else 3]:
         art = with_mask(mask, lambda: hv._engine(case, str(root / mask), target=s["target"])[0].compile(kind))
         m = json.loads((art / "manifest.json").read_text())
         print(mask, case, kind, art.name, [c.get("mask") for c in m.get("unit_calls", [])], flush=True)

@@ -382,6 +382,8 @@ def _publish(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Pa
 def _write_artifact(b: _Built, key: dict, family: str, request: dict, tmod, art_dir: Path, stage: Path,
                     t0: float) -> dict:
     files = tmod.export(b.executable, stage, b.tvm_target)
+    if hasattr(tmod, "export_units"):  # the target's own kernels for the graph's units (CUDA: packed attention)
+        files.update(tmod.export_units(b.unit_calls, stage, b.tvm_target))
     request_fields = {k for k in mf.BuildRequest.__dataclass_fields__}
     manifest = mf.Manifest(
         graph_sha256=key["graph_sha256"], dtype=key["dtype"], tune=key["tune"],

@@ -12,18 +12,26 @@ CACHE_DIR = ".lorac-cache"
 # PEFT's names of the two LoRA matrices, as they appear in every tensor name.
 LORA_A, LORA_B = "lora_A", "lora_B"
 
-# Isolated packing on CUDA masks documents with an additive bias [B, 1, S, S] bf16 for rows of
-# at most PACKED_BIAS_MAX_SEQ tokens while it takes at most PACKED_BIAS_MAX_BYTES, and with
-# cuDNN's ragged layout otherwise: on an H100 the ragged call is 1.5-1.8x the plain one at 1024
-# tokens (the bias 1.3x) but 0.65-0.94x at 2048-8192 (the bias 1.6-2.2x; docs/BENCHMARKS.md)
+# Isolated packing on CUDA runs lorac's own attention kernels where Triton is installed on the
+# compiling machine (compiler/targets/cuda/packed_kernels.py: no bias, no extra memory). Without it
+# cuDNN masks documents with an additive bias [B, 1, S, S] bf16 for rows of at most
+# PACKED_BIAS_MAX_SEQ tokens while it takes at most PACKED_BIAS_MAX_BYTES, and with its ragged
+# layout otherwise: on an H100 the ragged call is 1.5-1.8x the plain one at 1024 tokens (the bias
+# 1.3x) but 0.65-0.94x at 2048-8192 (the bias 1.6-2.2x; docs/BENCHMARKS.md)
 # (compiler/targets/cuda/attention.py; the memory estimate counts the bias: runtime/train/memory.py).
 PACKED_BIAS_MAX_BYTES = 256 << 20
 PACKED_BIAS_MAX_SEQ = 1024
 
 
+def packed_kernels_available() -> bool:
+    """Whether a CUDA build here masks packed documents with lorac's kernels (Triton importable)."""
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
 def packed_bias_bytes(batch: int, seq: int, max_bytes: int = PACKED_BIAS_MAX_BYTES,
                       max_seq: int = PACKED_BIAS_MAX_SEQ) -> int:
-    """Bytes of the document bias of [batch, seq] packed rows on CUDA, 0 where the ragged layout is used."""
+    """Bytes of cuDNN's document bias of [batch, seq] packed rows, 0 where the ragged layout is used."""
     n = 2 * batch * seq * seq
     return n if n <= max_bytes and seq <= max_seq else 0
 

@@ -385,6 +385,7 @@ def test_cuda_pipeline_masks_documents_by_a_bias(monkeypatch):
     monkeypatch.setattr(cuda_attention, "BIAS_MAX_BYTES", 2 * 2 * 9 * 9 - 1)
     assert cuda_attention.packed_mask(2, 9) == "ragged"
     monkeypatch.undo()
+    monkeypatch.setattr(cuda_attention, "PACKED_MASK", "bias")  # the rule cuDNN's fallback follows (no Triton)
     from lorac.core.constants import packed_bias_bytes
     for B, S, mask in ((8, 1024, "bias"), (4, 2048, "ragged"), (1, 8192, "ragged"), (16, 1024, "bias"),
                        (160, 1024, "ragged")):  # 2048+ tokens: ragged; past 256 MiB of bias: ragged

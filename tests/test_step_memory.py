@@ -74,12 +74,16 @@ def test_choice_is_the_fastest_setting_that_fits():
     assert (blind.checkpointing, blind.need) == (False, None)
 
 
-def test_no_estimate_where_attention_keeps_scores():
+def test_no_estimate_where_attention_keeps_scores(monkeypatch):
     spec, train = _train(LLAMA_GQA4, 2, 256)
     assert step_memory.plan_bytes(spec, train, dtype="float32") is None  # fp32: not cuDNN's unit
-    # packed documents run on cuDNN's unit too: plain rows' estimate plus their bias [B, 1, S, S] bf16,
-    # or nothing more past the bias' bound (cuDNN's ragged layout)
+    # packed documents on lorac's kernels (Triton at compile time) hold what plain rows hold; on cuDNN
+    # (no Triton) plain rows' estimate plus their bias [B, 1, S, S] bf16, or nothing more past the
+    # bias' bound (cuDNN's ragged layout)
     plain = step_memory.plan_bytes(spec, train)
+    monkeypatch.setattr(step_memory, "packed_kernels_available", lambda: True)
+    assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) == plain
+    monkeypatch.setattr(step_memory, "packed_kernels_available", lambda: False)
     assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) == plain + 2 * 2 * 256 * 256
     long_rows = replace(train, batch=8, seq=8192)
     assert step_memory.plan_bytes(spec, replace(long_rows, packing="isolated")) == step_memory.plan_bytes(spec, long_rows)

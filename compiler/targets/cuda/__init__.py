@@ -112,11 +112,23 @@ def relax_passes(target) -> list:
             + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
 
 
+def _arch(target) -> str:
+    return str(target.attrs.get("arch", DEFAULT_ARCH)) if hasattr(target, "attrs") else DEFAULT_ARCH
+
+
+def export_units(unit_calls: list, art_dir: Path, target) -> dict:
+    """The packed attention kernels of the build's calls (mask "kernel"), compiled by Triton into
+    cubins in art_dir (packed_build.py): the manifest's `packed_kernels`."""
+    from . import packed_build
+    built = packed_build.export(unit_calls, art_dir, _arch(target))
+    return {"packed_kernels": built} if built else {}
+
+
 def export(ex, art_dir: Path, target) -> dict:
     sources = cuda_sources(ex)
     if len(sources) != 1:
         raise LoracError(f"expected one CUDA module in the build, found {len(sources)}")
-    arch = str(target.attrs.get("arch", DEFAULT_ARCH)) if hasattr(target, "attrs") else DEFAULT_ARCH
+    arch = _arch(target)
     compile_fatbin(sources[0], arch, Path(art_dir) / "kernels.fatbin")
     ex.export_library(str(Path(art_dir) / "lib.so"))
     return {"library": "lib.so", "cuda_fatbin": "kernels.fatbin", "cuda_arch": arch,

@@ -12,15 +12,20 @@ reads through strides (no transposes); GQA is native (k, v keep their K heads); 
 cuDNN's "stats" in fp32: [B, H, S, 1], and for packed rows (--packing isolated: pos [B, S]
 the position ids) token-major [B, S, H, 1], as cuDNN's ragged layout writes it (only the
 backward unit reads it). How the packed calls mask documents (`PACKED_MASK`, the manifest
-call's "mask"; runtime/devices/cuda/sdpa.py builds the graphs):
+call's "mask"):
+- "kernel" (the default where Triton is installed): lorac's own kernels
+  (compiler/targets/cuda/packed_kernels.py), compiled here ahead of time into cubins beside
+  the library (packed_build.py) and launched by the runtime through the CUDA driver; `pos`
+  is read on the device (each query's document starts pos[b, i] keys back), tiles outside
+  every document are skipped, lse token-major [B, S, H, 1]. The call records pos's dtype.
 - "ragged": each document a sequence of cuDNN's ragged layout; their lengths and offsets
   come from position_ids at run time (the runtime fills them before each call of the
   artifact), so `pos` is passed along, not read;
 - "bias": plain rows plus an additive bias [B, 1, S, S] bf16, 0 where key j >= i - pos[b, i]
   and -1e30 before (causal masking hides the keys after i), computed here once per step
   from the position ids by one elementwise kernel and passed in `pos`'s place; lse [B, H, S, 1].
-  Used for rows of at most BIAS_MAX_SEQ tokens while the bias takes at most BIAS_MAX_BYTES,
-  ragged past either.
+Without Triton the build falls back to cuDNN: the bias for rows of at most BIAS_MAX_SEQ
+tokens while the bias takes at most BIAS_MAX_BYTES, ragged past either.
 The softmax scale (a constant), the shapes and the mask go to the manifest's `unit_calls`,
 one entry per distinct call. The runtime (lorac.runtime.devices.cuda.attention) registers the functions: cuDNN
 plans built once per shape, executed on TVM's stream, so CUDA graphs capture them like the
@@ -34,27 +39,41 @@ tensors the forward kept instead of keeping fp32 ones alive and casting twice.
 """
 from __future__ import annotations
 
+import sys
+
 import tvm
 from tvm import relax
 
 from lorac.core.constants import PACKED_BIAS_MAX_BYTES, PACKED_BIAS_MAX_SEQ, packed_bias_bytes
 
+from . import packed_build
+
 FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
 PACKED_FWD, PACKED_BWD = "lorac.attention_packed_fwd", "lorac.attention_packed_bwd"
 _BF16 = "bfloat16"
-# How packed documents are masked, chosen from bench/cudnn_isolated_check.py and
-# bench/h200_packed_step.py (docs/BENCHMARKS.md, "Isolated packing on cuDNN"): the bias for rows
-# of up to 1024 tokens (full step, Qwen3-0.6B shape 8x1024, rows of 4-40 documents on the H200:
-# ragged 1.14x, bias 1.11x the plain step), ragged for longer rows (the call at 2048-8192 tokens
-# on an H100: ragged 0.65-0.94x the plain call, the bias 1.6-2.2x)
-PACKED_MASK = "bias"
+# How packed documents are masked, chosen from bench/cudnn_isolated_check.py (the call alone) and
+# bench/h200_packed_step.py (whole steps; docs/BENCHMARKS.md, "Isolated packing"): lorac's kernels
+# (Qwen3-0.6B shape 8x1024, rows of 4-40 documents, H100: 0.64x the plain cuDNN call, where
+# cuDNN's bias costs 1.33-1.47x and its ragged layout 1.5-1.8x). Without Triton: the bias for rows
+# of up to 1024 tokens, ragged for longer rows (on an H100 ragged 0.65-0.94x the plain call at
+# 2048-8192 tokens, the bias 1.6-2.2x)
+PACKED_MASK = "kernel"
 BIAS_MAX_BYTES = PACKED_BIAS_MAX_BYTES  # "bias" while the [B, 1, S, S] bf16 bias fits this ...
 BIAS_MAX_SEQ = PACKED_BIAS_MAX_SEQ  # ... and rows are at most this long; ragged past either
+_told = []  # the fallback note, printed once a process
 
 
-def packed_mask(B: int, S: int) -> str:
-    """How the packed calls of [B, S] rows mask documents: "ragged" or "bias" (module doc)."""
-    return "bias" if PACKED_MASK == "bias" and packed_bias_bytes(B, S, BIAS_MAX_BYTES, BIAS_MAX_SEQ) else "ragged"
+def packed_mask(B: int, S: int, H: int = 16, K: int = 8, Dh: int = 128) -> str:
+    """How the packed calls of [B, S] rows of H query and K key heads of Dh mask documents:
+    "kernel", "ragged" or "bias" (module doc)."""
+    if PACKED_MASK == "kernel" and packed_build.supports(H, K, Dh):
+        why = packed_build.unavailable()
+        if why is None:
+            return "kernel"
+        if not _told:
+            _told.append(why)
+            print(f"note: packed documents masked on cuDNN (slower, docs/BENCHMARKS.md): {why}", file=sys.stderr)
+    return "bias" if PACKED_MASK != "ragged" and packed_bias_bytes(B, S, BIAS_MAX_BYTES, BIAS_MAX_SEQ) else "ragged"
 
 
 def document_bias(bb, pos, B: int, S: int):
@@ -114,22 +133,22 @@ def converters(cache: Narrowing | None = None) -> dict:
     calls: list = []
     biases: dict = {}  # position ids var -> its documents' bias (one per step, shared by every layer)
 
-    def masking(bb, pos, q):
+    def masking(bb, pos, q, k):
         """(how this packed call masks documents, what it takes in pos's place)."""
-        B, S = _shape(q)[:2]
-        mask = packed_mask(B, S)
-        if mask == "ragged":
+        B, S, H, Dh = _shape(q)
+        mask = packed_mask(B, S, H, _shape(k)[2], Dh)
+        if mask in ("ragged", "kernel"):
             return mask, pos
         if pos not in biases:
             biases[pos] = document_bias(bb, pos, B, S)
         return mask, biases[pos]
 
-    def record(fn, q, k, scale, mask=None):
+    def record(fn, q, k, scale, mask=None, pos=None):
         """Note the call; the scale travels in the manifest, not as an argument (a float
         argument costs a host-side function per call in TVM's VM)."""
         B, S, H, Dh = _shape(q)
         call = {"function": fn, "B": B, "S": S, "H": H, "K": _shape(k)[2], "Dh": Dh, "scale": scale,
-                **({"mask": mask} if mask else {})}
+                **({"mask": mask} if mask else {}), **({"pos_dtype": str(pos.ty.dtype)} if mask == "kernel" else {})}
         same_shape = [c for c in calls if {**c, "scale": scale} == call]
         if same_shape and same_shape[0]["scale"] != scale:
             raise ValueError(f"attention calls of one shape with two softmax scales: {call}")
@@ -141,9 +160,9 @@ def converters(cache: Narrowing | None = None) -> dict:
         def convert(bb, inputs, _attrs, _params):
             q, k, v = (cache(bb, x) for x in inputs[:3])
             B, S, H, Dh = _shape(q)
-            mask, xm = masking(bb, inputs[3], q) if packed else (None, None)
-            record(fn, q, k, _scale(inputs[-1]), mask)
-            lse = [B, S, H, 1] if mask == "ragged" else [B, H, S, 1]
+            mask, xm = masking(bb, inputs[3], q, k) if packed else (None, None)
+            record(fn, q, k, _scale(inputs[-1]), mask, xm)
+            lse = [B, S, H, 1] if mask in ("ragged", "kernel") else [B, H, S, 1]
             out = bb.emit(relax.call_dps_packed(
                 fn, [q, k, v] + ([xm] if packed else []),
                 [relax.TensorType([B, S, H, Dh], _BF16), relax.TensorType(lse, "float32")]))
@@ -155,8 +174,8 @@ def converters(cache: Narrowing | None = None) -> dict:
         """A backward converter: inputs q, k, v, o, do, lse (, pos), scale."""
         def convert(bb, inputs, _attrs, _params):
             q, k, v, o, do = (cache(bb, x) for x in inputs[:5])
-            mask, xm = masking(bb, inputs[6], q) if packed else (None, None)
-            record(fn, q, k, _scale(inputs[-1]), mask)
+            mask, xm = masking(bb, inputs[6], q, k) if packed else (None, None)
+            record(fn, q, k, _scale(inputs[-1]), mask, xm)
             out = bb.emit(relax.call_dps_packed(
                 fn, [q, k, v, o, do, inputs[5]] + ([xm] if packed else []),
                 [relax.TensorType(_shape(x), _BF16) for x in (q, k, v)]))

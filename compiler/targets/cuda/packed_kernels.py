@@ -34,9 +34,9 @@ LN2 = 0.6931471805599453
 @triton.jit
 def _doc_lo(POS, b, S, m0, BN: tl.constexpr):
     """The first key tile a query tile starting at m0 reads: its first query's document start,
-    rounded down to BN (documents start no later for later queries)."""
+    rounded down to BN (documents start no later for later queries); never before the row."""
     first = m0 - tl.load(POS + b * S + m0).to(tl.int32)
-    return first // BN * BN
+    return tl.maximum(first, 0) // BN * BN
 
 
 @triton.jit

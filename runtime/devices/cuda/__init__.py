@@ -64,7 +64,7 @@ def open(art_dir, manifest):  # noqa: A001 - the device interface's name
     from . import attention as attention_cuda
     from . import offload
     if calls & set(attention_cuda.FUNCTIONS):  # fused attention on cuDNN: plans built now
-        attention_cuda.prepare(manifest, dev)
+        attention_cuda.prepare(manifest, dev, art_dir)
     if offload.OFFLOAD in calls:  # offloaded checkpoints: pinned buffers and staging made now
         offload.prepare(manifest)
     return dev

@@ -24,6 +24,8 @@ documents (`mask`, runtime/devices/cuda/sdpa.py has the graphs):
 - "bias" (x: bf16 [B, 1, S, S], 0 inside each query's document and -1e30 before it, computed
   by the step from the position ids): plain rows with that additive bias; lse [B, H, S, 1].
   Nothing is fed from the host.
+- "kernel" (x: the position ids [B, S], read on the device): not cuDNN but lorac's own kernels,
+  compiled into the artifact (runtime/devices/cuda/packed.py); lse token-major as for ragged.
 
 cuDNN comes from NVIDIA's pip wheels (nvidia-cudnn-frontend's Python graph API over
 nvidia-cudnn-cu13's libcudnn). Plans are built when the artifact loads, from the calls the
@@ -36,20 +38,19 @@ on cuDNN frontend's leak report.
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from ...errors import LoracError
 from .cudart import load_library, stream_getter
 from .documents import Documents, groups_for
+from .packed import PackedKernels, find_entry
 from .sdpa import Plan
 
 FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
 PACKED_FWD, PACKED_BWD = "lorac.attention_packed_fwd", "lorac.attention_packed_bwd"
 FUNCTIONS = (FWD, BWD, PACKED_FWD, PACKED_BWD)
 _PACKED = (PACKED_FWD, PACKED_BWD)
-MASKS = ("ragged", "bias")  # how a build masks packed documents (the manifest call's "mask")
+MASKS = ("ragged", "bias", "kernel")  # how a build masks packed documents (the manifest call's "mask")
 
 # How the packed calls' plans are built, chosen from bench/cudnn_isolated_check.py's measurements
 # on the H200 (docs/BENCHMARKS.md, "Isolated packing on cuDNN"); set before artifacts load. The
@@ -72,6 +73,8 @@ _handle = None
 _stream = [None]
 _plans: dict = {}  # (function, B, S, H, K, Dh, mask) -> [Plan] (ragged: one a group; the scale from the manifest)
 _documents: dict = {}  # (B, S) -> Documents: what the ragged calls of that shape read
+_kernels: dict = {}  # (function, B, S, H, K, Dh) -> (PackedKernels, scale): calls of mask "kernel"
+_kernel_sets: dict = {}  # (H, K, Dh, S, pos dtype) -> PackedKernels: a manifest's packed_kernels entry, loaded
 _reserved = {"per_row": None, "longest": None}  # reserve_documents (None: every token a document, S)
 _workspace = {"bytes": 0, "tensor": None, "ptr": 0}
 
@@ -105,6 +108,8 @@ def release() -> None:
     import gc
     _plans.clear()
     _documents.clear()
+    _kernels.clear()
+    _kernel_sets.clear()
     _workspace.update(bytes=0, tensor=None, ptr=0)
     gc.collect()  # graphs in reference cycles go now, not in the teardown
     if _handle is not None:
@@ -209,9 +214,10 @@ def warm(plan: Plan, empty) -> None:
              _workspace["ptr"])
 
 
-def prepare(manifest, dev) -> None:
+def prepare(manifest, dev, art_dir=None) -> None:
     """Build (or find) the cuDNN plans of every attention call the artifact makes, size the
-    shared workspace, run each plan once on scratch buffers, and register the functions."""
+    shared workspace, run each plan once on scratch buffers, load the packed kernels of calls
+    with mask "kernel" from art_dir (each run once too), and register the functions."""
     import tvm
     import tvm_ffi
 
@@ -220,14 +226,36 @@ def prepare(manifest, dev) -> None:
         return
     _init()
     empty = lambda shape, dtype: tvm.runtime.empty(tuple(shape), dtype, dev)  # noqa: E731
-    fresh = [p for plans, new in (build_plan(call, empty) for call in calls) if new for p in plans]
+    ours = [c for c in calls if _mask(c) == "kernel"]
+    fresh = [p for plans, new in (build_plan(call, empty) for call in calls if call not in ours) if new for p in plans]
     size_workspace(empty)
     _set_stream(dev.index)
     for plan in fresh:
         warm(plan, empty)
+    for call in ours:
+        load_kernels(manifest, call, art_dir, dev, empty)
     dev.sync()
     for name, fn in ((FWD, _forward), (BWD, _backward), (PACKED_FWD, _packed_forward), (PACKED_BWD, _packed_backward)):
         tvm_ffi.register_global_func(name, fn, override=True)
+
+
+def load_kernels(manifest, call: dict, art_dir, dev, empty) -> None:
+    """The packed kernels of a call with mask "kernel" (loaded once a shape), their scratch for
+    its rows, and one run of each on scratch buffers for rows not seen before."""
+    if art_dir is None:
+        raise LoracError("a packed attention call with mask 'kernel' needs its artifact's directory")
+    key, scale = _key(call)[:-1], float(call["scale"])
+    if key in _kernels and _kernels[key][1] != scale:
+        raise LoracError(f"two loaded artifacts make attention calls {key} with different softmax scales")
+    shape = (call["H"], call["K"], call["Dh"], call["S"], call["pos_dtype"])
+    pk = _kernel_sets.get(shape)
+    if pk is None:
+        pk = _kernel_sets[shape] = PackedKernels(find_entry(manifest, call), art_dir, dev.index)
+    fresh = call["B"] not in pk.delta
+    pk.reserve(call["B"], empty)
+    _kernels[key] = (pk, scale)
+    if fresh:
+        pk.warm(call["B"], call["pos_dtype"], scale, empty, _stream[0] or 0)
 
 
 def feeder(manifest):
@@ -274,13 +302,27 @@ def _backward(q, k, v, o, do, lse, dq, dk, dv) -> None:
     _run(_plans_for(BWD, q, k), [q, k, v, o, do, lse, dq, dk, dv])
 
 
+def _ours(fn: str, q, k):
+    """(PackedKernels, scale) where this packed call runs lorac's kernels, else None."""
+    B, S, H, Dh = (int(d) for d in q.shape)
+    return _kernels.get((fn, B, S, H, int(k.shape[2]), Dh))
+
+
 def _packed_forward(q, k, v, x, o, lse) -> None:
     _set_stream(o.device.index)
+    ours = _ours(PACKED_FWD, q, k)
+    if ours:
+        ours[0].forward(q, k, v, x, o, lse, ours[1], _stream[0] or 0)
+        return
     plans = _plans_for(PACKED_FWD, q, k, x)
     _run(plans, [q, k, v, x, o, lse] if plans[0].layout == "bias" else [q, k, v, o, lse])
 
 
 def _packed_backward(q, k, v, o, do, lse, x, dq, dk, dv) -> None:
     _set_stream(dq.device.index)
+    ours = _ours(PACKED_BWD, q, k)
+    if ours:
+        ours[0].backward(q, k, v, o, do, lse, x, dq, dk, dv, ours[1], _stream[0] or 0)
+        return
     plans = _plans_for(PACKED_BWD, q, k, x)
     _run(plans, [q, k, v, o, do, lse, x, dq, dk, dv] if plans[0].layout == "bias" else [q, k, v, o, do, lse, dq, dk, dv])
