@@ -13,7 +13,8 @@ CACHE_DIR = ".lorac-cache"
 LORA_A, LORA_B = "lora_A", "lora_B"
 
 # Isolated packing on CUDA runs lorac's own attention kernels where Triton is installed on the
-# compiling machine (compiler/targets/cuda/packed_kernels.py: no bias, no extra memory). Without it
+# compiling machine (compiler/targets/cuda/packed_kernels.py: no bias, no extra memory), for rows
+# of at most PACKED_KERNEL_MAX_SEQ tokens. Without them
 # cuDNN masks documents with an additive bias [B, 1, S, S] bf16 for rows of at most
 # PACKED_BIAS_MAX_SEQ tokens while it takes at most PACKED_BIAS_MAX_BYTES, and with its ragged
 # layout otherwise: on an H100 the ragged call is 1.5-1.8x the plain one at 1024 tokens (the bias
@@ -21,12 +22,25 @@ LORA_A, LORA_B = "lora_A", "lora_B"
 # (compiler/targets/cuda/attention.py; the memory estimate counts the bias: runtime/train/memory.py).
 PACKED_BIAS_MAX_BYTES = 256 << 20
 PACKED_BIAS_MAX_SEQ = 1024
+# lorac's kernels take rows of up to this many tokens. Longer rows go to cuDNN's ragged layout: at
+# 1x8192 with documents of up to 5217 tokens the kernels took 1.04x the plain call and ragged 0.64x
+# (its kernels do a long document's tiles over twice as fast), while at 2x4096 they tie (0.64x,
+# 0.63x) and at 4x2048 the kernels win (0.67x, 0.93x; an H100, docs/BENCHMARKS.md)
+PACKED_KERNEL_MAX_SEQ = 4096
+# ... and head sizes (Triton's dots take powers of two from 16; 256 does not fit the shared memory of
+# the kernels' block configurations): other sizes, Phi-3's 96 and Gemma 2's 256, stay on cuDNN
+PACKED_KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 
 def packed_kernels_available() -> bool:
-    """Whether a CUDA build here masks packed documents with lorac's kernels (Triton importable)."""
+    """Whether a CUDA build here can mask packed documents with lorac's kernels (Triton importable)."""
     import importlib.util
     return importlib.util.find_spec("triton") is not None
+
+
+def packed_kernels_take(seq: int, head_dim: int) -> bool:
+    """Whether a CUDA build here runs packed rows of `seq` tokens, heads of `head_dim`, on lorac's kernels."""
+    return seq <= PACKED_KERNEL_MAX_SEQ and head_dim in PACKED_KERNEL_HEAD_DIMS and packed_kernels_available()
 
 
 def packed_bias_bytes(batch: int, seq: int, max_bytes: int = PACKED_BIAS_MAX_BYTES,

@@ -185,6 +185,8 @@ def test_cuda_build_runs_packed_rows_on_the_kernels(monkeypatch, capsys):
     assert [int(d) for d in fwd.args[-1].ty.shape.values] == [2, 9, spec.heads, 1]  # lse token-major
     assert cuda_attention.packed_mask(8, 1024, 16, 8, 128) == "kernel"
     assert cuda_attention.packed_mask(8, 1024, 32, 8, 96) == "bias"  # Phi-3's head size: cuDNN
+    assert cuda_attention.packed_mask(2, 4096, 16, 8, 128) == "kernel"
+    assert cuda_attention.packed_mask(1, 8192, 16, 8, 128) == "ragged"  # past KERNEL_MAX_SEQ: cuDNN's ragged
     monkeypatch.setattr(packed_build, "unavailable", lambda: "Triton is not installed (test)")
     monkeypatch.setattr(cuda_attention, "_told", [])
     assert cuda_attention.packed_mask(8, 1024, 16, 8, 128) == "bias"

@@ -81,9 +81,13 @@ def test_no_estimate_where_attention_keeps_scores(monkeypatch):
     # (no Triton) plain rows' estimate plus their bias [B, 1, S, S] bf16, or nothing more past the
     # bias' bound (cuDNN's ragged layout)
     plain = step_memory.plan_bytes(spec, train)
-    monkeypatch.setattr(step_memory, "packed_kernels_available", lambda: True)
+    import lorac.core.constants as constants
+    monkeypatch.setattr(constants, "packed_kernels_available", lambda: True)
     assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) == plain
-    monkeypatch.setattr(step_memory, "packed_kernels_available", lambda: False)
+    odd = replace(spec, head_dim=96)  # a head size the kernels do not take: cuDNN's bias
+    assert step_memory.plan_bytes(odd, replace(train, packing="isolated")) == \
+        step_memory.plan_bytes(odd, train) + 2 * 2 * 256 * 256
+    monkeypatch.setattr(constants, "packed_kernels_available", lambda: False)
     assert step_memory.plan_bytes(spec, replace(train, packing="isolated")) == plain + 2 * 2 * 256 * 256
     long_rows = replace(train, batch=8, seq=8192)
     assert step_memory.plan_bytes(spec, replace(long_rows, packing="isolated")) == step_memory.plan_bytes(spec, long_rows)

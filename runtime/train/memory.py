@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lorac.core import constants
-from lorac.core.constants import LORA_K_WIDE, packed_bias_bytes, packed_kernels_available
+from lorac.core.constants import LORA_K_WIDE, packed_bias_bytes, packed_kernels_take
 
 GiB = 1 << 30
 WORKSPACE = 1 * GiB  # cuBLAS/cuDNN workspaces and the runtime beside the plan (0.8 GB at the 8B shape)
@@ -110,7 +110,8 @@ def plan_bytes(spec, train, dtype: str = "bfloat16") -> int | None:
     for k in kept:  # each layer's backward, bottom up: the layers below it, its full set again, gradients
         peak = max(peak, (below + full + backward) * T)
         below += k
-    if getattr(train, "packing", "plain") == "isolated" and dtype == "bfloat16" and not packed_kernels_available():
+    isolated = getattr(train, "packing", "plain") == "isolated" and dtype == "bfloat16"
+    if isolated and not packed_kernels_take(train.seq, spec.head_dim):
         peak += packed_bias_bytes(train.batch, train.seq)  # cuDNN's documents' bias, live all step
     return int(peak)
 

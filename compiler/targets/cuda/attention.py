@@ -13,7 +13,7 @@ cuDNN's "stats" in fp32: [B, H, S, 1], and for packed rows (--packing isolated: 
 the position ids) token-major [B, S, H, 1], as cuDNN's ragged layout writes it (only the
 backward unit reads it). How the packed calls mask documents (`PACKED_MASK`, the manifest
 call's "mask"):
-- "kernel" (the default where Triton is installed): lorac's own kernels
+- "kernel" (the default where Triton is installed, for rows of up to KERNEL_MAX_SEQ tokens): lorac's own kernels
   (compiler/targets/cuda/packed_kernels.py), compiled here ahead of time into cubins beside
   the library (packed_build.py) and launched by the runtime through the CUDA driver; `pos`
   is read on the device (each query's document starts pos[b, i] keys back), tiles outside
@@ -44,7 +44,8 @@ import sys
 import tvm
 from tvm import relax
 
-from lorac.core.constants import PACKED_BIAS_MAX_BYTES, PACKED_BIAS_MAX_SEQ, packed_bias_bytes
+from lorac.core.constants import (PACKED_BIAS_MAX_BYTES, PACKED_BIAS_MAX_SEQ, PACKED_KERNEL_MAX_SEQ,
+                                  packed_bias_bytes)
 
 from . import packed_build
 
@@ -53,20 +54,21 @@ PACKED_FWD, PACKED_BWD = "lorac.attention_packed_fwd", "lorac.attention_packed_b
 _BF16 = "bfloat16"
 # How packed documents are masked, chosen from bench/cudnn_isolated_check.py (the call alone) and
 # bench/h200_packed_step.py (whole steps; docs/BENCHMARKS.md, "Isolated packing"): lorac's kernels
-# (Qwen3-0.6B shape 8x1024, rows of 4-40 documents, H100: 0.64x the plain cuDNN call, where
-# cuDNN's bias costs 1.33-1.47x and its ragged layout 1.5-1.8x). Without Triton: the bias for rows
-# of up to 1024 tokens, ragged for longer rows (on an H100 ragged 0.65-0.94x the plain call at
-# 2048-8192 tokens, the bias 1.6-2.2x)
+# for rows of up to 4096 tokens (Qwen3-0.6B shape 8x1024, rows of 4-40 documents, H100: 0.64x the
+# plain cuDNN call, where cuDNN's bias costs 1.33-1.47x and its ragged layout 1.5-1.8x); past
+# that, and without Triton, cuDNN: the bias for rows of up to 1024 tokens, ragged for longer rows
+# (on an H100 ragged 0.65-0.94x the plain call at 2048-8192 tokens, the bias 1.6-2.2x)
 PACKED_MASK = "kernel"
 BIAS_MAX_BYTES = PACKED_BIAS_MAX_BYTES  # "bias" while the [B, 1, S, S] bf16 bias fits this ...
 BIAS_MAX_SEQ = PACKED_BIAS_MAX_SEQ  # ... and rows are at most this long; ragged past either
+KERNEL_MAX_SEQ = PACKED_KERNEL_MAX_SEQ  # lorac's kernels for rows of at most this many tokens, cuDNN past it
 _told = []  # the fallback note, printed once a process
 
 
 def packed_mask(B: int, S: int, H: int = 16, K: int = 8, Dh: int = 128) -> str:
     """How the packed calls of [B, S] rows of H query and K key heads of Dh mask documents:
     "kernel", "ragged" or "bias" (module doc)."""
-    if PACKED_MASK == "kernel" and packed_build.supports(H, K, Dh):
+    if PACKED_MASK == "kernel" and S <= KERNEL_MAX_SEQ and packed_build.supports(H, K, Dh):
         why = packed_build.unavailable()
         if why is None:
             return "kernel"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
+from lorac.core.constants import PACKED_KERNEL_HEAD_DIMS as HEAD_DIMS
 from lorac.core.errors import LoracError
 
 CONFIGS = {"fwd": (64, 64, 4, 3), "delta": (128, 0, 4, 1), "bwd_kv": (32, 64, 4, 3), "bwd_q": (64, 64, 4, 3)}
@@ -85,10 +86,6 @@ def compile_kernel(name: str, H: int, KH: int, Dh: int, S: int, pos_dtype: str, 
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise LoracError(f"packed attention kernel {name} needs Triton scratch memory; the runtime passes none")
     return k
-
-
-HEAD_DIMS = (16, 32, 64, 128)  # the tiles' widths (Triton's dots take powers of two from 16; 256 would not fit the
-# shared memory of these block configurations); other head sizes (Phi-3's 96, Gemma 2's 256) stay on cuDNN
 
 
 def supports(H: int, KH: int, Dh: int) -> bool:
