@@ -21,10 +21,12 @@ Variants (a name, the packed layout, lorac's attention.PACKED settings):
   bias_fp32             the bias in fp32 (should cuDNN refuse a bf16 one)
   bias_band             the bias, and the causal band cut one key past the batch's longest
                         document (diagonal_band_left_bound: tiles further back not computed)
+  kernel                not cuDNN: lorac's Triton kernels (compiler/targets/cuda/packed_kernels.py),
+                        each kernel's block configurations timed (bench/packed_kernels_bench.py)
 and `engines`: every plan cuDNN's heuristics offer for the ragged_longest and bias graphs,
 each timed alone (forward plans with the default backward, and the other way round).
 What the runtime picks from this: attention.PACKED (ragged) and PACKED_MASK in
-compiler/targets/cuda/attention.py (ragged or bias). `--only NAME,...` (cudnn_isolated_check.py) runs
+compiler/targets/cuda/attention.py (kernel, ragged or bias). `--only NAME,...` (cudnn_isolated_check.py) runs
 those variants alone, and an engines table only where named (engines:ragged_longest, engines:bias).
 """
 from __future__ import annotations

@@ -53,7 +53,7 @@ _PACKED = (PACKED_FWD, PACKED_BWD)
 MASKS = ("ragged", "bias", "kernel")  # how a build masks packed documents (the manifest call's "mask")
 
 # How the packed calls' plans are built, chosen from bench/cudnn_isolated_check.py's measurements
-# on the H200 (docs/BENCHMARKS.md, "Isolated packing on cuDNN"); set before artifacts load. The
+# on the H200 (docs/BENCHMARKS.md, "Isolated packing", its cuDNN part); set before artifacts load. The
 # defaults are what that check verified there first; the others await its speed stage.
 #   max_seq        "row": ragged plans hold sequences of up to S tokens; "longest": of at most
 #                  the longest document the run's data has (reserve_documents), rounded up to 64
