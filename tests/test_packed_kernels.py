@@ -78,6 +78,13 @@ def test_build_writes_a_cubin_per_kernel(built):
         assert k["warps"] >= 1 and k["shared"] >= 0
 
 
+def test_forward_calls_alone_build_the_forward_kernel_alone(tmp_path):
+    """An eval or forward artifact (no backward call) ships the forward kernel only."""
+    from lorac.compiler.targets.cuda import packed_build
+    [entry] = packed_build.export([CALL], tmp_path, "sm_90")
+    assert list(entry["kernels"]) == ["fwd"] and len(list(tmp_path.glob("*.cubin"))) == 1
+
+
 def test_compiled_kernels_take_the_scratch_pointers_the_runtime_passes():
     """Each kernel's PTX entry has its arguments plus the two scratch pointers the runtime
     appends (kernels.SCRATCH_POINTERS), and needs no scratch memory."""
@@ -107,6 +114,21 @@ class _Tensor:
 
     def data_ptr(self):
         return self.ptr
+
+
+def test_runtime_loads_what_its_calls_need(built, monkeypatch, tmp_path):
+    from lorac.runtime.devices.cuda import packed
+    from lorac.runtime.errors import LoracError
+    out, entries = built
+    loaded = []
+    monkeypatch.setattr(packed, "Kernel", lambda cubin, name, *a: loaded.append(name) or name)
+    packed.PackedKernels(entries[0], out, 0, backward=False)
+    assert loaded == ["fwd"]
+    forward_only = {**entries[0], "kernels": {"fwd": entries[0]["kernels"]["fwd"]}}
+    with pytest.raises(LoracError, match="lacks kernels delta, bwd_kv, bwd_q"):
+        packed.PackedKernels(forward_only, out, 0, backward=True)
+    with pytest.raises(LoracError, match="is missing"):
+        packed.PackedKernels(entries[0], tmp_path, 0)
 
 
 def test_runtime_launches_each_kernel_with_the_compiled_arguments(built, monkeypatch):

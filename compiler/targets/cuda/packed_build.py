@@ -99,21 +99,23 @@ def check_shape(H: int, KH: int, Dh: int) -> None:
                          f"head sizes {', '.join(map(str, HEAD_DIMS))} and key heads dividing the query heads")
 
 
+BACKWARD = ("delta", "bwd_kv", "bwd_q")
+
+
 def export(calls: list, out_dir: Path, arch: str) -> list:
     """Compile the kernels of every packed call with mask "kernel" into out_dir: the manifest's
-    `packed_kernels` entries, one per (H, KH, Dh, S, pos dtype)."""
-    out, seen = [], set()
+    `packed_kernels` entries, one per (H, KH, Dh, S, pos dtype), each with the forward kernel
+    and, where a backward call has that shape, the backward's three."""
+    shapes: dict = {}
     for call in calls:
-        if call.get("mask") != "kernel":
-            continue
-        shape = (call["H"], call["K"], call["Dh"], call["S"], call["pos_dtype"])
-        if shape in seen:
-            continue
-        seen.add(shape)
-        H, KH, Dh, S, pos_dtype = shape
+        if call.get("mask") == "kernel":
+            shape = (call["H"], call["K"], call["Dh"], call["S"], call["pos_dtype"])
+            shapes.setdefault(shape, set()).add("bwd" if call["function"].endswith("bwd") else "fwd")
+    out = []
+    for (H, KH, Dh, S, pos_dtype), kinds in shapes.items():
         check_shape(H, KH, Dh)
         entry = {"H": H, "K": KH, "Dh": Dh, "S": S, "pos_dtype": pos_dtype, "kernels": {}}
-        for name in CONFIGS:
+        for name in ("fwd",) + (BACKWARD if "bwd" in kinds else ()):
             k = compile_kernel(name, H, KH, Dh, S, pos_dtype, arch)
             file = f"packed_{H}_{KH}_{Dh}_{S}_{pos_dtype}_{name}.cubin"
             (Path(out_dir) / file).write_bytes(k.asm["cubin"])

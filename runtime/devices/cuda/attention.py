@@ -248,9 +248,12 @@ def load_kernels(manifest, call: dict, art_dir, dev, empty) -> None:
     if key in _kernels and _kernels[key][1] != scale:
         raise LoracError(f"two loaded artifacts make attention calls {key} with different softmax scales")
     shape = (call["H"], call["K"], call["Dh"], call["S"], call["pos_dtype"])
+    backward = call["function"] == PACKED_BWD
     pk = _kernel_sets.get(shape)
+    if pk is not None and backward and "bwd_kv" not in pk.kernels:  # loaded for an eval artifact: its forward alone
+        pk = None
     if pk is None:
-        pk = _kernel_sets[shape] = PackedKernels(find_entry(manifest, call), art_dir, dev.index)
+        pk = _kernel_sets[shape] = PackedKernels(find_entry(manifest, call), art_dir, dev.index, backward)
     fresh = call["B"] not in pk.delta
     pk.reserve(call["B"], empty)
     _kernels[key] = (pk, scale)

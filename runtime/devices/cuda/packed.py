@@ -20,6 +20,7 @@ from ...errors import LoracError
 from .kernels import Kernel
 
 NAMES = ("fwd", "delta", "bwd_kv", "bwd_q")
+BACKWARD = NAMES[1:]  # an artifact without backward calls (eval, forward) ships the forward's alone
 
 
 def _ceil(a: int, b: int) -> int:
@@ -29,14 +30,15 @@ def _ceil(a: int, b: int) -> int:
 class PackedKernels:
     """The kernels of one packed call shape (a manifest `packed_kernels` entry)."""
 
-    def __init__(self, entry: dict, art_dir, device_index: int):
-        missing = [n for n in NAMES if n not in entry.get("kernels", {})]
+    def __init__(self, entry: dict, art_dir, device_index: int, backward: bool = True):
+        need = NAMES if backward else NAMES[:1]
+        missing = [n for n in need if n not in entry.get("kernels", {})]
         if missing:
             raise LoracError(f"this artifact's packed attention lacks kernels {', '.join(missing)} (rebuild it)")
         self.H, self.K, self.Dh, self.S = (int(entry[k]) for k in ("H", "K", "Dh", "S"))
         self.meta = entry["kernels"]
         self.kernels = {}
-        for name in NAMES:
+        for name in need:
             m = self.meta[name]
             path = Path(art_dir) / m["file"]
             if not path.is_file():
@@ -85,7 +87,8 @@ class PackedKernels:
         pos = empty((B, S), pos_dtype)
         pos.copyfrom(np.tile(np.arange(S, dtype=pos_dtype), (B, 1)))  # the values read don't matter; the positions do
         self.forward(q, k, v, pos, o, lse, scale, stream)
-        self.backward(q, k, v, o, do, lse, pos, dq, dk, dv, scale, stream)
+        if all(n in self.kernels for n in BACKWARD):
+            self.backward(q, k, v, o, do, lse, pos, dq, dk, dv, scale, stream)
 
 
 def find_entry(manifest, call: dict) -> dict:
