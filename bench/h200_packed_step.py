@@ -202,8 +202,10 @@ def prepare_equality(cache: Path, stand_in: str | None) -> dict:
     info = {"documents": int(alone["input_ids"].shape[0]), "cpu_fp32_isolated_vs_alone": packed}
     print("equality reference:", json.dumps(info), flush=True)
     assert packed["loss_rel"] < 1e-5 and packed["min_cos"] > 1 - 1e-6, packed
-    for mask in MASKS if not stand_in else ():  # the bf16 CUDA artifacts, one per mask
-        with_mask(mask, lambda: small_engine(spec, train, weights, "cuda", "bfloat16", cache / mask).compile("train"))
+    for mask in MASKS if not stand_in else ():  # the bf16 CUDA artifacts, one per mask: the step and the eval loss
+        eng = small_engine(spec, train, weights, "cuda", "bfloat16", cache / mask)
+        for kind in ("train", "eval"):
+            with_mask(mask, lambda: eng.compile(kind))
     return info
 
 
@@ -264,7 +266,10 @@ def equality(cache: str, mask: str, stand_in: str | None) -> dict:
     step_once(eng, lora, other)  # the first call: a CUDA graph captured on other documents
     loss, grads = step_once(eng, lora, batch)
     r = {"equality": mask, **compare(loss, grads, ref_loss, ref)}
-    r["ok"] = r["loss_rel"] <= 1e-2 and r["min_cos"] >= 0.999
+    # the eval artifact (the packed forward alone; with lorac's kernels, the forward kernel alone)
+    r["eval_loss"] = float(eng.eval_loss(batch, eng.lora)) if not stand_in else loss
+    r["eval_loss_rel"] = abs(r["eval_loss"] - ref_loss) / abs(ref_loss)
+    r["ok"] = r["loss_rel"] <= 1e-2 and r["min_cos"] >= 0.999 and r["eval_loss_rel"] <= 1e-2
     return r
 
 
@@ -347,7 +352,8 @@ def device(cache: str, variants: list[str], stand_in: str | None, json_out: str 
     print("\n| part | result | ok |\n|---|---|---|")
     for r in rows:
         if "equality" in r and "loss_rel" in r:
-            res = f"loss {r['loss']:.6f} vs {r['ref_loss']:.6f} (rel {r['loss_rel']:.2e}), min cos {r['min_cos']:.6f}"
+            res = (f"loss {r['loss']:.6f} vs {r['ref_loss']:.6f} (rel {r['loss_rel']:.2e}), min cos {r['min_cos']:.6f}, "
+                   f"eval loss rel {r.get('eval_loss_rel', float('nan')):.2e}")
         elif "ratio" in r:
             res = f"plain {r['plain_ms']} ms, isolated {r['isolated_ms']} ms: {r['ratio']:.3f}x"
         else:
