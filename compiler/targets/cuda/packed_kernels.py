@@ -40,18 +40,28 @@ def _doc_lo(POS, b, S, m0, BN: tl.constexpr):
 
 
 @triton.jit
-def fwd(Q, K, V, POS, O, LSE, scale, S,
-        H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _rows(S, H: tl.constexpr, BM: tl.constexpr):
+    """This program's tile of queries: (its first query m0, the batch row b, the query head h,
+    the tile's rows, which of them lie inside the row)."""
     m0 = tl.program_id(0) * BM
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kh = h // (H // KH)
     rows = m0 + tl.arange(0, BM)
-    inside = rows < S
-    d = tl.arange(0, D)
-    q = tl.load(Q + ((b * S + rows) * H + h)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+    return m0, bh // H, bh % H, rows, rows < S
+
+
+@triton.jit
+def _query_tile(POS, S, H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
+    """_rows, and the key head, the head's columns and each row's document start."""
+    m0, b, h, rows, inside = _rows(S, H, BM)
     first = rows - tl.load(POS + b * S + rows, mask=inside, other=0).to(tl.int32)
+    return m0, b, h, h // (H // KH), rows, inside, tl.arange(0, D), first
+
+
+@triton.jit
+def fwd(Q, K, V, POS, O, LSE, scale, S,
+        H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    m0, b, h, kh, rows, inside, d, first = _query_tile(POS, S, H, KH, D, BM)
+    q = tl.load(Q + ((b * S + rows) * H + h)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
     scale2 = scale * 1.4426950408889634
     m_i = tl.full([BM], -1.0e30, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -80,12 +90,7 @@ def fwd(Q, K, V, POS, O, LSE, scale, S,
 
 @triton.jit
 def delta(O, DO, DELTA, S, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
-    m0 = tl.program_id(0) * BM
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = m0 + tl.arange(0, BM)
-    inside = rows < S
+    _, b, h, rows, inside = _rows(S, H, BM)
     at = ((b * S + rows) * H + h)[:, None] * D + tl.arange(0, D)[None, :]
     o = tl.load(O + at, mask=inside[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + at, mask=inside[:, None], other=0.0).to(tl.float32)
@@ -141,18 +146,10 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, POS, DK, DV, scale, S,
 @triton.jit
 def bwd_q(Q, K, V, DO, LSE, DELTA, POS, DQ, scale, S,
           H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    m0 = tl.program_id(0) * BM
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kh = h // (H // KH)
-    rows = m0 + tl.arange(0, BM)
-    inside = rows < S
-    d = tl.arange(0, D)
+    m0, b, h, kh, rows, inside, d, first = _query_tile(POS, S, H, KH, D, BM)
     qa = ((b * S + rows) * H + h)[:, None] * D + d[None, :]
     q = tl.load(Q + qa, mask=inside[:, None], other=0.0)
     do = tl.load(DO + qa, mask=inside[:, None], other=0.0)
-    first = rows - tl.load(POS + b * S + rows, mask=inside, other=0).to(tl.int32)
     lse2 = tl.load(LSE + (b * S + rows) * H + h, mask=inside, other=0.0) * 1.4426950408889634
     dl = tl.load(DELTA + (b * S + rows) * H + h, mask=inside, other=0.0)
     scale2 = scale * 1.4426950408889634
