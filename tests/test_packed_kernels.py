@@ -59,14 +59,26 @@ CALL = {"function": "lorac.attention_packed_fwd", "B": 2, "S": 40, "H": 6, "K": 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     from lorac.compiler.targets.cuda import packed_build
-    out = tmp_path_factory.mktemp("packed")
-    entries = packed_build.export([CALL, {**CALL, "function": "lorac.attention_packed_bwd"},
-                                   {**CALL, "mask": "bias"}], out, "sm_90")
+    import triton
+    out, caches = tmp_path_factory.mktemp("packed"), []
+    real = triton.compile
+    mp = pytest.MonkeyPatch()
+    mp.setattr(triton, "compile", lambda *a, **kw: caches.append(triton.knobs.cache.dir) or real(*a, **kw))
+    try:
+        entries = packed_build.export([CALL, {**CALL, "function": "lorac.attention_packed_bwd"},
+                                       {**CALL, "mask": "bias"}], out, "sm_90")
+    finally:
+        mp.undo()
+    # Triton's cache was a temporary folder, gone now (not ~/.triton)
+    assert len(caches) == 4 and all("lorac-triton-" in c and not Path(c).exists() for c in caches), caches
+    assert triton.knobs.cache.dir not in caches
     return out, entries
 
 
 def test_build_writes_a_cubin_per_kernel(built):
+    """... and nothing else: Triton's cache lives in a temporary folder (not ~/.triton)."""
     out, entries = built
+    assert sorted(p.suffix for p in out.iterdir()) == [".cubin"] * 4
     assert len(entries) == 1  # one shape: the forward and backward calls share it; the bias call has none
     e = entries[0]
     assert (e["H"], e["K"], e["Dh"], e["S"], e["pos_dtype"]) == (6, 2, 16, 40, "int64")

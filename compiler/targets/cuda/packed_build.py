@@ -10,6 +10,8 @@ ones bench/packed_kernels_bench.py times (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
+import tempfile
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -64,6 +66,16 @@ def _signature(name: str, pos_dtype: str) -> dict:
     return sig
 
 
+@contextmanager
+def _private_cache():
+    """Triton's compile cache in a temporary folder, removed after: nothing is written to
+    ~/.triton or anywhere else outside the artifact."""
+    import triton
+    with tempfile.TemporaryDirectory(prefix="lorac-triton-") as tmp, triton.knobs.cache.scope():
+        triton.knobs.cache.dir = tmp
+        yield
+
+
 def compile_kernel(name: str, H: int, KH: int, Dh: int, S: int, pos_dtype: str, arch: str):
     """Triton's compiled kernel (its .asm["cubin"] and .metadata) of one kernel at one shape."""
     import triton
@@ -79,9 +91,9 @@ def compile_kernel(name: str, H: int, KH: int, Dh: int, S: int, pos_dtype: str, 
     aligned = [i for i, a in enumerate(sig) if sig[a].startswith("*") or (a == "S" and S % 16 == 0)]
     src = ASTSource(getattr(packed_kernels, name), signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    cc = capability(arch)
-    k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                       options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
+    with _private_cache():
+        k = triton.compile(src, target=GPUTarget("cuda", capability(arch), 32),
+                           options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
     md = k.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise LoracError(f"packed attention kernel {name} needs Triton scratch memory; the runtime passes none")
