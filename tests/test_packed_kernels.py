@@ -252,3 +252,22 @@ def test_compiled_artifact_lists_its_kernels(tmp_path):
     assert find_entry(Manifest.from_json(m), m["unit_calls"][0]) == entry
     for k in entry["kernels"].values():
         assert (d / k["file"]).is_file()
+
+
+def test_feeder_checks_the_positions_the_kernels_read():
+    """An artifact on lorac's kernels takes positions numbering each document 0, 1, 2, ... (the
+    kernels skip key tiles by the documents' starts); others are refused before the step runs."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from lorac.runtime.devices.cuda import attention
+    from lorac.runtime.errors import LoracError
+    calls = [{**CALL, "function": fn} for fn in (attention.PACKED_FWD, attention.PACKED_BWD)]
+    feed = attention.feeder(SimpleNamespace(unit_calls=calls))
+    good = np.array([[0, 1, 2, 0, 1], [3, 4, 0, 0, 1]])  # a row may begin inside a document cut there
+    feed({"position_ids": good})
+    with pytest.raises(LoracError, match="row 1: position 5 at token 1 follows 3"):
+        feed({"position_ids": np.array([[0, 1, 2, 0, 1], [3, 5, 0, 0, 1]])})
+    with pytest.raises(LoracError, match="needs the input position_ids"):
+        feed({})
+    assert attention.feeder(SimpleNamespace(unit_calls=[{**c, "mask": "bias"} for c in calls])) is None

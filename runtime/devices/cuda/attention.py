@@ -42,7 +42,7 @@ import numpy as np
 
 from ...errors import LoracError
 from .cudart import load_library, stream_getter
-from .documents import Documents, groups_for
+from .documents import Documents, document_runs, groups_for
 from .packed import PackedKernels, find_entry
 from .sdpa import Plan
 
@@ -262,11 +262,16 @@ def load_kernels(manifest, call: dict, art_dir, dev, empty) -> None:
 
 
 def feeder(manifest):
-    """For an artifact with ragged packed calls, the function its Step calls with each call's
-    inputs before running it: the documents of `position_ids` into the buffers its plans read
-    (captured CUDA graphs replay with them). None for other artifacts."""
-    shapes = {(c["B"], c["S"]) for c in manifest.unit_calls if c.get("function") in _PACKED and _mask(c) == "ragged"}
-    if not shapes:
+    """For an artifact with packed calls masking by ragged sequences or with lorac's kernels,
+    the function its Step calls with each call's inputs before running it. Ragged: the
+    documents of `position_ids` into the buffers its plans read (captured CUDA graphs replay
+    with them). Kernels: a check that the positions number each document 0, 1, 2, ... (the
+    kernels skip tiles by the documents' starts, so other positions would lose gradient
+    silently); a LoracError names the first token that does not. None for other artifacts."""
+    packed = [c for c in manifest.unit_calls if c.get("function") in _PACKED]
+    shapes = {(c["B"], c["S"]) for c in packed if _mask(c) == "ragged"}
+    checked = any(_mask(c) == "kernel" for c in packed)
+    if not shapes and not checked:
         return None
     docs = [_documents[s] for s in sorted(shapes)]  # made by prepare() when the artifact opened
 
@@ -277,6 +282,8 @@ def feeder(manifest):
         pos = pos if isinstance(pos, np.ndarray) else np.asarray(pos.numpy())
         for d in docs:
             d.fill(pos)
+        if checked and not docs:
+            document_runs(pos)
     return feed
 
 
