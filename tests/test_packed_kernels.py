@@ -271,3 +271,44 @@ def test_feeder_checks_the_positions_the_kernels_read():
     with pytest.raises(LoracError, match="needs the input position_ids"):
         feed({})
     assert attention.feeder(SimpleNamespace(unit_calls=[{**c, "mask": "bias"} for c in calls])) is None
+
+
+def test_kernels_load_once_a_shape(monkeypatch):
+    """A training artifact's forward and backward calls share one set of the four kernels, run
+    once on scratch buffers; an eval artifact of the same shape reuses it, and one loaded first
+    (its forward alone) gives way to the full set when a training artifact comes."""
+    from types import SimpleNamespace
+
+    from lorac.runtime.devices.cuda import attention
+    made = []
+
+    class Fake:
+        def __init__(self, entry, art_dir, device_index, backward=True):
+            self.kernels = dict.fromkeys(("fwd", "delta", "bwd_kv", "bwd_q") if backward else ("fwd",))
+            self.delta, self.warmed = {}, 0
+            made.append(self)
+
+        def reserve(self, B, empty):
+            self.delta.setdefault(B, None)
+
+        def warm(self, *a):
+            self.warmed += 1
+
+    monkeypatch.setattr(attention, "PackedKernels", Fake)
+    monkeypatch.setattr(attention, "find_entry", lambda manifest, call: {})
+    dev = SimpleNamespace(index=0)
+    fwd, bwd = ({**CALL, "function": fn} for fn in (attention.PACKED_FWD, attention.PACKED_BWD))
+    try:
+        evaluation = SimpleNamespace(unit_calls=[fwd])
+        attention.load_kernels(evaluation, fwd, ".", dev, None)
+        assert len(made) == 1 and list(made[0].kernels) == ["fwd"]
+        train = SimpleNamespace(unit_calls=[fwd, bwd])
+        for call in train.unit_calls:
+            attention.load_kernels(train, call, ".", dev, None)
+        assert len(made) == 2 and len(made[1].kernels) == 4 and made[1].warmed == 1
+        assert attention._kernels[attention._key(fwd)[:-1]][0] is attention._kernels[attention._key(bwd)[:-1]][0]
+        attention.load_kernels(evaluation, fwd, ".", dev, None)  # again: the full set serves it
+        assert len(made) == 2 and attention._kernels[attention._key(fwd)[:-1]][0] is made[1]
+    finally:
+        attention._kernels.clear()
+        attention._kernel_sets.clear()
