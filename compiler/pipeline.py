@@ -18,7 +18,9 @@ relax_passes(target), export(executable, art_dir, target) -> manifest fields; op
 pass_config(request), binds_inputs(request) (CUDA graphs: targets/cuda), tune(...) (cpu),
 native_units(dtype) (the lorac units it maps whole: units.py; the rest are inlined),
 ACCUMULATING_GEMMS (sums of GEMMs as one accumulating call: gemm_sum.py; cuda),
-ARENA_PLAN (the planned tensors in one arena: memory_plan.py; cpu, aarch64, cuda).
+ARENA_PLAN (the planned tensors in one arena: memory_plan.py; cpu, aarch64, cuda),
+export_units(unit_calls, art_dir, target) -> manifest fields (the target's own kernels for the
+graph's native units, written beside the library: cuda's packed attention).
 """
 from __future__ import annotations
 

@@ -381,15 +381,15 @@ def test_cuda_pipeline_masks_documents_by_a_bias(monkeypatch):
     assert all(b.same_as(biases[0]) for b in biases)  # one bias for the step
     fwd = next(c for c in calls if c.op.global_symbol == "lorac.attention_packed_fwd")
     assert [int(d) for d in fwd.args[-1].ty.shape.values] == [2, spec.heads, 9, 1]
-    assert cuda_attention.packed_mask(2, 9) == "bias"
+    assert cuda_attention.packed_mask(2, 9, spec.heads, spec.kv_heads, spec.head_dim) == "bias"
     monkeypatch.setattr(cuda_attention, "BIAS_MAX_BYTES", 2 * 2 * 9 * 9 - 1)
-    assert cuda_attention.packed_mask(2, 9) == "ragged"
+    assert cuda_attention.packed_mask(2, 9, spec.heads, spec.kv_heads, spec.head_dim) == "ragged"
     monkeypatch.undo()
     monkeypatch.setattr(cuda_attention, "PACKED_MASK", "bias")  # the rule cuDNN's fallback follows (no Triton)
     from lorac.core.constants import packed_bias_bytes
     for B, S, mask in ((8, 1024, "bias"), (4, 2048, "ragged"), (1, 8192, "ragged"), (16, 1024, "bias"),
                        (160, 1024, "ragged")):  # 2048+ tokens: ragged; past 256 MiB of bias: ragged
-        assert cuda_attention.packed_mask(B, S) == mask, (B, S)
+        assert cuda_attention.packed_mask(B, S, 16, 8, 128) == mask, (B, S)
         assert (packed_bias_bytes(B, S) > 0) == (mask == "bias")
 
 

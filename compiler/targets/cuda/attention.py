@@ -65,7 +65,7 @@ KERNEL_MAX_SEQ = PACKED_KERNEL_MAX_SEQ  # lorac's kernels for rows of at most th
 _told = []  # the fallback note, printed once a process
 
 
-def packed_mask(B: int, S: int, H: int = 16, K: int = 8, Dh: int = 128) -> str:
+def packed_mask(B: int, S: int, H: int, K: int, Dh: int) -> str:
     """How the packed calls of [B, S] rows of H query and K key heads of Dh mask documents:
     "kernel", "ragged" or "bias" (module doc)."""
     if PACKED_MASK == "kernel" and S <= KERNEL_MAX_SEQ and packed_build.supports(H, K, Dh):

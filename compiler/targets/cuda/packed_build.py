@@ -29,7 +29,6 @@ _ARGS = {
 }
 _FP32 = {"LSE", "DELTA"}
 _POS_TYPES = {"int64": "*i64", "int32": "*i32"}
-MIN_CAPABILITY = 80  # Triton's bf16 tensor-core dots: Ampere and newer
 
 
 @lru_cache(maxsize=1)

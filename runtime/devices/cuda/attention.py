@@ -43,7 +43,7 @@ import numpy as np
 from ...errors import LoracError
 from .cudart import load_library, stream_getter
 from .documents import Documents, document_runs, groups_for
-from .packed import PackedKernels, find_entry
+from .packed import PackedKernels, find_entry, shape_of
 from .sdpa import Plan
 
 FWD, BWD = "lorac.attention_fwd", "lorac.attention_bwd"
@@ -239,10 +239,6 @@ def prepare(manifest, dev, art_dir=None) -> None:
         tvm_ffi.register_global_func(name, fn, override=True)
 
 
-def _kernel_shape(call: dict) -> tuple:
-    return call["H"], call["K"], call["Dh"], call["S"], call["pos_dtype"]
-
-
 def load_kernels(manifest, call: dict, art_dir, dev, empty) -> None:
     """The packed kernels of a call with mask "kernel" (loaded once a shape), their scratch for
     its rows, and one run of each on scratch buffers for rows not seen before."""
@@ -251,8 +247,8 @@ def load_kernels(manifest, call: dict, art_dir, dev, empty) -> None:
     key, scale = _key(call)[:-1], float(call["scale"])
     if key in _kernels and _kernels[key][1] != scale:
         raise LoracError(f"two loaded artifacts make attention calls {key} with different softmax scales")
-    shape = _kernel_shape(call)
-    backward = any(c.get("function") == PACKED_BWD and _mask(c) == "kernel" and _kernel_shape(c) == shape
+    shape = shape_of(call)
+    backward = any(c.get("function") == PACKED_BWD and _mask(c) == "kernel" and shape_of(c) == shape
                    for c in manifest.unit_calls)  # the artifact's backward too: all four kernels, loaded once
     pk = _kernel_sets.get(shape)
     if pk is not None and backward and "bwd_kv" not in pk.kernels:  # loaded for an eval artifact: its forward alone

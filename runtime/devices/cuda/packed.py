@@ -74,7 +74,7 @@ class PackedKernels:
             raise LoracError(f"packed attention: no scratch for {B} rows (the artifact's manifest does not list them)")
         t = {"Q": q, "K": k, "V": v, "O": o, "DO": do, "LSE": lse, "POS": pos, "DQ": dq, "DK": dk, "DV": dv,
              "DELTA": delta}
-        for name in ("delta", "bwd_kv", "bwd_q"):
+        for name in BACKWARD:
             self._launch(name, B, t, scale, stream)
 
     def warm(self, B: int, pos_dtype: str, scale: float, empty, stream) -> None:
@@ -91,11 +91,16 @@ class PackedKernels:
             self.backward(q, k, v, o, do, lse, pos, dq, dk, dv, scale, stream)
 
 
+def shape_of(d: dict) -> tuple:
+    """(H, K, Dh, S, pos dtype) of a packed call with mask "kernel" or of a `packed_kernels` entry:
+    what one set of kernels serves."""
+    return d["H"], d["K"], d["Dh"], d["S"], d.get("pos_dtype")
+
+
 def find_entry(manifest, call: dict) -> dict:
     """The manifest's `packed_kernels` entry of a packed call with mask "kernel"."""
-    want = (call["H"], call["K"], call["Dh"], call["S"], call.get("pos_dtype"))
     for e in manifest.extra.get("packed_kernels", []):
-        if (e["H"], e["K"], e["Dh"], e["S"], e["pos_dtype"]) == want:
+        if shape_of(e) == shape_of(call):
             return e
     raise LoracError(f"this artifact's packed attention call {call['function']} [{call['B']}, {call['S']}] has no "
                      "compiled kernels in its manifest (rebuild it)")
